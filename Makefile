@@ -1,0 +1,31 @@
+# make demo: install what is missing, then standard vs anchored training on the embedded dataset.
+# make test: the whole test suite (what CI runs).
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.fastanchor-installed
+APT_PACKAGES := libopencv-dev libturbojpeg0-dev pkg-config
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test setup clean
+
+demo: $(STAMP)
+	$(VENV)/bin/fastanchor demo $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(ARGS)
+
+setup: $(STAMP)
+
+# Re-run only when the dependency files change: a second `make demo` skips this in seconds.
+$(STAMP): pyproject.toml constraints.txt
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+		echo "== installing the system libraries FFCV builds against: $(APT_PACKAGES)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+	fi
+	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,test]"
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) data runs

@@ -1,0 +1,116 @@
+"""The on-device anchoring stage: one place where every loader's uint8 batches become network input.
+
+Wrap any iterable of (uint8 images [B, 3, H, W], int64 labels) -- our loaders, an FFCV Loader,
+a DALI iterator, a torch DataLoader -- and iterate `AnchoredBatch(inputs, labels, masked)`:
+
+    stage = AnchoringStage(loader, AnchoringSpec(alpha=0.2), device="cuda")
+    for batch in stage:
+        loss = anchored_cross_entropy(model(batch.inputs), batch.labels, batch.masked)
+
+Standard training uses the same stage with `anchored=False` (normalisation and layout only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+
+from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
+from fastanchor.pipeline.references import (
+    FixedReferenceSet,
+    InBatchDerangement,
+    ReferenceBank,
+    ReferenceSource,
+)
+
+
+class AnchoredBatch(NamedTuple):
+    inputs: torch.Tensor  # [B, 6, H, W] anchored (or [B, 3, H, W] standard), channels-last
+    labels: torch.Tensor  # int64 [B]
+    masked: torch.Tensor  # bool [B]: reference masked, target uniform (unless masked_target=label)
+
+
+@dataclass(frozen=True)
+class AnchoringSpec:
+    anchored: bool = True
+    alpha: float = 0.2
+    mask_level: str = "batch"  # "batch" (the paper) or "sample"
+    mean: tuple = IMAGENET_MEAN_255
+    std: tuple = IMAGENET_STD_255
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha = {self.alpha}: expected a probability in [0, 1]")
+        if self.mask_level not in ("batch", "sample"):
+            raise ValueError(f"mask_level = {self.mask_level!r}: expected 'batch' or 'sample'")
+
+
+def draw_mask(batch_size: int, alpha: float, level: str, generator: torch.Generator) -> torch.Tensor:
+    """Which samples get their reference masked: all or none (batch level) or each with prob alpha."""
+    if level == "batch":
+        return torch.full((batch_size,), bool(torch.rand((), generator=generator) < alpha))
+    return torch.rand(batch_size, generator=generator) < alpha
+
+
+def make_reference_source(kind: str, *, bank_size: int = 1024, fixed: torch.Tensor | None = None) -> ReferenceSource:
+    if kind == "derangement":
+        return InBatchDerangement()
+    if kind == "bank":
+        return ReferenceBank(bank_size)
+    if kind == "fixed":
+        if fixed is None:
+            raise ValueError("a fixed reference source needs its reference images")
+        return FixedReferenceSet(fixed)
+    raise ValueError(f"unknown reference source {kind!r}: expected derangement, bank or fixed")
+
+
+def to_device_batch(images: torch.Tensor, labels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch contract: uint8 NCHW channels-last images and int64 labels on `device`."""
+    if images.dtype != torch.uint8 or images.ndim != 4:
+        raise ValueError(f"expected uint8 images [B, 3, H, W], got {images.dtype} {tuple(images.shape)}")
+    if images.shape[1] != 3 and images.shape[-1] == 3:  # NHWC from a loader that keeps HWC
+        images = images.permute(0, 3, 1, 2)
+    images = images.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+    return images, labels.to(device, dtype=torch.long, non_blocking=True)
+
+
+class AnchoringStage:
+    """Pairs each batch with on-device references, normalises, masks, and lays out the input."""
+
+    def __init__(
+        self,
+        loader: Iterable,
+        spec: AnchoringSpec = AnchoringSpec(),
+        *,
+        references: ReferenceSource | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ):
+        self.loader = loader
+        self.spec = spec
+        self.references = references or InBatchDerangement()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[AnchoredBatch]:
+        for images, labels in self.loader:
+            yield self.process(images, labels)
+
+    def process(self, images: torch.Tensor, labels: torch.Tensor) -> AnchoredBatch:
+        images, labels = to_device_batch(images, labels, self.device)
+        spec = self.spec
+        if not spec.anchored:
+            masked = torch.zeros(images.shape[0], dtype=torch.bool, device=self.device)
+            return AnchoredBatch(normalize(images, spec.mean, spec.std, self.dtype), labels, masked)
+        masked = draw_mask(images.shape[0], spec.alpha, spec.mask_level, self.generator).to(self.device)
+        refs = self.references.references_for(images, self.generator)
+        inputs = anchor(images, refs, masked, spec.mean, spec.std, self.dtype)
+        self.references.observe(images)
+        return AnchoredBatch(inputs, labels, masked)

@@ -1,0 +1,460 @@
+"""The embedded dataset: procedural shape classification, generated from a seed in seconds.
+
+Every image is a shape drawn over a random background and saved as a real JPEG file, in
+ImageFolder trees:
+
+    root/train/<class>/<class>_<index:05d>.jpg   num_classes x train_per_class
+    root/val/<class>/<class>_<index:05d>.jpg     num_classes x val_per_class
+    root/ood/<class>/<class>_<index:05d>.jpg     len(OOD_CLASSES) x ood_per_class (shapes never trained on)
+    root/manifest.json                           the spec, the counts, a sha256 over all images
+
+The class is carried by shape and structure only. Everything else is sampled from one
+distribution shared by all classes: foreground colour, background (a two-colour linear
+gradient in a random direction plus mild Gaussian noise), position, rotation, and the filled
+area of the shape (7% to 22% of the image, whatever the shape; the shape's extent follows from
+it). So the per-image colour statistics (mean and spread of the pixels) carry no class
+information, and a classifier has to look at the shape. Foreground and background are kept
+apart by one rule for every class: the foreground's luminance is above both gradient end
+colours, or below both, by at least MIN_LUMINANCE_GAP.
+
+Generation is reproducible: each image has its own numpy Generator seeded from
+(seed, split, class index, image index) through np.random.SeedSequence, so the same spec gives
+the same bytes (with the same Pillow/libjpeg) and any single image can be regenerated alone
+with `render_image`. Shapes are drawn as a mask with PIL ImageDraw at 4x supersampling and
+downsampled with LANCZOS for antialiasing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+IN_DISTRIBUTION_CLASSES: tuple[str, ...] = (
+    "circle", "square", "triangle", "star", "cross", "ring",
+    "diamond", "hexagon", "arrow", "crescent", "frame", "bar",
+)
+OOD_CLASSES: tuple[str, ...] = ("heart", "spiral", "checkerboard", "lightning", "wave")
+
+SPLITS: tuple[str, ...] = ("train", "val", "ood")
+MANIFEST_NAME = "manifest.json"
+# Bump when a change to the drawing code changes the bytes; a dataset written by another
+# version is refused instead of being silently reused.
+GENERATOR_VERSION = 1
+
+SUPERSAMPLE = 4
+AREA_FRACTION = (0.07, 0.22)  # filled area of the shape / image area, the same range for all classes
+MARGIN_FRACTION = 0.03  # the shape stays this far (fraction of the side) from the border
+MIN_LUMINANCE_GAP = 0.25  # foreground vs both gradient end colours, luminance in [0, 1]
+NOISE_STD = (2.0, 8.0)  # per-image Gaussian noise std, in 0-255 units
+
+_SPLIT_CODES = {"train": 0, "val": 1, "ood": 2}
+_CIRCLE_POINTS = 96
+
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    seed: int = 0
+    image_size: int = 32
+    num_classes: int = 10
+    train_per_class: int = 300
+    val_per_class: int = 50
+    ood_per_class: int = 50
+    jpeg_quality: int = 90
+
+    def validate(self) -> "EmbeddedSpec":
+        """Raise ValueError naming the first bad field; return self when all are good."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise ValueError(f"EmbeddedSpec.{f.name} = {value!r}: expected an integer.")
+        checks = (
+            ("seed", self.seed >= 0, "a non-negative integer"),
+            ("image_size", 32 <= self.image_size <= 256, "an integer from 32 to 256 (pixels)"),
+            ("num_classes", 2 <= self.num_classes <= len(IN_DISTRIBUTION_CLASSES),
+             f"an integer from 2 to {len(IN_DISTRIBUTION_CLASSES)} (the number of shape classes)"),
+            ("train_per_class", self.train_per_class >= 1, "at least 1 image per class"),
+            ("val_per_class", self.val_per_class >= 1, "at least 1 image per class"),
+            ("ood_per_class", self.ood_per_class >= 1, "at least 1 image per class"),
+            ("jpeg_quality", 1 <= self.jpeg_quality <= 100, "an integer from 1 to 100"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"EmbeddedSpec.{name} = {getattr(self, name)!r}: expected {expected}.")
+        return self
+
+    def classes(self, split: str) -> tuple[str, ...]:
+        """Class names of a split, in generation order (ImageFolder sorts them alphabetically)."""
+        if split == "ood":
+            return OOD_CLASSES
+        if split in ("train", "val"):
+            return IN_DISTRIBUTION_CLASSES[: self.num_classes]
+        raise ValueError(f"split = {split!r}: expected one of {', '.join(SPLITS)}.")
+
+    def per_class(self, split: str) -> int:
+        return {"train": self.train_per_class, "val": self.val_per_class, "ood": self.ood_per_class}[split]
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes. Each returns (polygons, holes) as float arrays [K, 2] in unit coordinates whose origin
+# is near the centre of the smallest disc holding the shape (it becomes the centre of rotation).
+# Holes lie inside the filled polygons (or only overlap them, for the crescent's bite, whose
+# area is handled by building the crescent as one polygon). Intra-class jitter comes from rng.
+# --------------------------------------------------------------------------------------------
+
+def _ngon(n: int, radius: float = 1.0, phase: float = math.pi / 2, center=(0.0, 0.0)) -> np.ndarray:
+    t = phase + np.arange(n) * (2 * math.pi / n)
+    return np.stack([center[0] + radius * np.cos(t), center[1] + radius * np.sin(t)], axis=1)
+
+
+def _rect(w: float, h: float) -> np.ndarray:
+    return np.array([[-w / 2, -h / 2], [w / 2, -h / 2], [w / 2, h / 2], [-w / 2, h / 2]])
+
+
+def _band(centerline: np.ndarray, width: float) -> np.ndarray:
+    """A stroke of constant width along a polyline, as one polygon."""
+    d = np.gradient(centerline, axis=0)
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    normal = np.stack([-d[:, 1], d[:, 0]], axis=1) * (width / 2)
+    return np.concatenate([centerline + normal, (centerline - normal)[::-1]])
+
+
+def _circle(rng):
+    return [_ngon(_CIRCLE_POINTS)], []
+
+
+def _square(rng):
+    return [_rect(1.0, rng.uniform(0.9, 1.0))], []
+
+
+def _triangle(rng):
+    skew = math.radians(rng.uniform(-8, 8))
+    t = np.array([math.pi / 2, math.pi / 2 + 2 * math.pi / 3 + skew, math.pi / 2 + 4 * math.pi / 3 - skew])
+    return [np.stack([np.cos(t), np.sin(t)], axis=1)], []
+
+
+def _star(rng):
+    inner = rng.uniform(0.38, 0.5)
+    outer = _ngon(5)
+    inner_pts = _ngon(5, inner, phase=math.pi / 2 + math.pi / 5)
+    return [np.stack([outer, inner_pts], axis=1).reshape(-1, 2)], []
+
+
+def _cross(rng):
+    a = rng.uniform(0.3, 0.45) / 2  # half arm width, arms reach +-1
+    pts = [(a, a), (a, 1), (-a, 1), (-a, a), (-1, a), (-1, -a), (-a, -a), (-a, -1), (a, -1), (a, -a), (1, -a), (1, a)]
+    return [np.array(pts, dtype=float)], []
+
+
+def _ring(rng):
+    return [_ngon(_CIRCLE_POINTS)], [_ngon(_CIRCLE_POINTS, rng.uniform(0.5, 0.65))]
+
+
+def _diamond(rng):
+    w = rng.uniform(0.5, 0.65)
+    return [np.array([[0, 1], [w, 0], [0, -1], [-w, 0]], dtype=float)], []
+
+
+def _hexagon(rng):
+    return [_ngon(6)], []
+
+
+def _arrow(rng):
+    shaft = rng.uniform(0.25, 0.35) / 2
+    head_len = rng.uniform(0.7, 0.9)
+    head = rng.uniform(0.75, 0.95) / 1.0
+    x0, xh, x1 = -1.0, 1.0 - head_len, 1.0
+    pts = [(x0, -shaft), (xh, -shaft), (xh, -head), (x1, 0), (xh, head), (xh, shaft), (x0, shaft)]
+    return [np.array(pts, dtype=float)], []
+
+
+def _crescent(rng):
+    # The unit disc minus a disc of radius r centred at (d, 0), as one polygon.
+    r, d = rng.uniform(0.8, 0.92), rng.uniform(0.4, 0.55)
+    x = (d * d + 1 - r * r) / (2 * d)
+    y = math.sqrt(max(1 - x * x, 0.0))
+    phi0 = math.atan2(y, x)
+    psi0 = math.atan2(y, x - d)
+    outer_t = np.linspace(phi0, 2 * math.pi - phi0, _CIRCLE_POINTS)
+    inner_t = np.linspace(2 * math.pi - psi0, psi0, _CIRCLE_POINTS)[1:-1]
+    outer = np.stack([np.cos(outer_t), np.sin(outer_t)], axis=1)
+    inner = np.stack([d + r * np.cos(inner_t), r * np.sin(inner_t)], axis=1)
+    poly = np.concatenate([outer, inner])
+    return [poly - (poly.min(axis=0) + poly.max(axis=0)) / 2], []
+
+
+def _frame(rng):
+    return [_rect(1.0, 1.0)], [_rect(*(2 * [rng.uniform(0.5, 0.65)]))]
+
+
+def _bar(rng):
+    return [_rect(rng.uniform(0.25, 0.35), 1.0)], []
+
+
+def _heart(rng):
+    t = np.linspace(0, 2 * math.pi, _CIRCLE_POINTS, endpoint=False)
+    x = 16 * np.sin(t) ** 3
+    y = 13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t)
+    poly = np.stack([x, y], axis=1)
+    return [poly - (poly.min(axis=0) + poly.max(axis=0)) / 2], []
+
+
+def _spiral(rng):
+    turns = rng.uniform(1.6, 2.0)
+    t = np.linspace(0.6, turns * 2 * math.pi, 160)
+    r = t / t[-1]
+    line = np.stack([r * np.cos(t), r * np.sin(t)], axis=1)
+    return [_band(line, rng.uniform(0.16, 0.2))], []
+
+
+def _checkerboard(rng):
+    n = 4
+    cell = 2.0 / n
+    cells = [
+        _rect(cell, cell) + np.array([-1 + (i + 0.5) * cell, -1 + (j + 0.5) * cell])
+        for i in range(n) for j in range(n) if (i + j) % 2 == 0
+    ]
+    return cells, []
+
+
+def _lightning(rng):
+    k = rng.uniform(0.85, 1.15)
+    pts = [(-0.15, 1), (0.55, 1), (0.15 * k, 0.2), (0.6, 0.2), (-0.45, -1), (-0.05, -0.05), (-0.5, -0.05)]
+    return [np.array(pts, dtype=float)], []
+
+
+def _wave(rng):
+    x = np.linspace(-1, 1, 120)
+    cycles = rng.uniform(1.2, 1.6)
+    line = np.stack([x, 0.35 * np.sin(2 * math.pi * cycles * x)], axis=1)
+    return [_band(line, rng.uniform(0.3, 0.38))], []
+
+
+_SHAPES = {
+    "circle": _circle, "square": _square, "triangle": _triangle, "star": _star, "cross": _cross,
+    "ring": _ring, "diamond": _diamond, "hexagon": _hexagon, "arrow": _arrow, "crescent": _crescent,
+    "frame": _frame, "bar": _bar,
+    "heart": _heart, "spiral": _spiral, "checkerboard": _checkerboard, "lightning": _lightning,
+    "wave": _wave,
+}
+assert set(_SHAPES) == set(IN_DISTRIBUTION_CLASSES) | set(OOD_CLASSES)
+assert not set(IN_DISTRIBUTION_CLASSES) & set(OOD_CLASSES)
+
+
+def _polygon_area(p: np.ndarray) -> float:
+    x, y = p[:, 0], p[:, 1]
+    return 0.5 * abs(float(np.dot(x, np.roll(y, -1)) - np.dot(y, np.roll(x, -1))))
+
+
+def _unit_shape(name: str, rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+    """The shape scaled to fit the unit disc around its origin (its centre of rotation); with its area."""
+    polys, holes = _SHAPES[name](rng)
+    radius = float(np.linalg.norm(np.concatenate(polys), axis=1).max())
+    polys = [p / radius for p in polys]
+    holes = [h / radius for h in holes]
+    area = sum(_polygon_area(p) for p in polys) - sum(_polygon_area(h) for h in holes)
+    return polys, holes, area
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+def _luminance(rgb: np.ndarray) -> np.ndarray:
+    return rgb @ np.array([0.299, 0.587, 0.114]) / 255.0
+
+
+def _sample_colours(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Foreground and two background colours, uniform in RGB, rejected until the foreground's
+    luminance is above both background colours' or below both by MIN_LUMINANCE_GAP."""
+    while True:
+        c = rng.uniform(0.0, 255.0, size=(3, 3))
+        lf, l0, l1 = _luminance(c)
+        if lf >= max(l0, l1) + MIN_LUMINANCE_GAP or lf <= min(l0, l1) - MIN_LUMINANCE_GAP:
+            return c[0], c[1], c[2]
+
+
+@lru_cache(maxsize=8)
+def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float64)
+    return (xx + 0.5) / size - 0.5, (yy + 0.5) / size - 0.5
+
+
+def _image_rng(seed: int, split: str, class_index: int, index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, _SPLIT_CODES[split], class_index, index])))
+
+
+def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -> np.ndarray:
+    """One image of the dataset as a uint8 array [H, W, 3], independent of all the others."""
+    classes = spec.classes(split)
+    if not 0 <= class_index < len(classes):
+        raise ValueError(f"class_index = {class_index}: expected 0 to {len(classes) - 1} for split {split!r}.")
+    rng = _image_rng(spec.seed, split, class_index, index)
+    n = spec.image_size
+
+    fg, bg0, bg1 = _sample_colours(rng)
+    polys, holes, unit_area = _unit_shape(classes[class_index], rng)
+    area_fraction = rng.uniform(*AREA_FRACTION)
+    scale = n * math.sqrt(area_fraction / unit_area)  # radius of the shape's disc, in pixels
+    margin = MARGIN_FRACTION * n
+    scale = min(scale, n / 2 - margin)  # never binds for the shipped shapes (checked by the tests)
+    angle = rng.uniform(0.0, 2 * math.pi)
+    rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
+    polys = [p @ rot.T * scale for p in polys]
+    holes = [h @ rot.T * scale for h in holes]
+    filled = np.concatenate(polys)
+    lo, hi = filled.min(axis=0), filled.max(axis=0)
+    offset = rng.uniform(margin - lo, np.maximum(n - margin - hi, margin - lo))
+
+    big = Image.new("L", (n * SUPERSAMPLE, n * SUPERSAMPLE), 0)
+    draw = ImageDraw.Draw(big)
+    for fill, group in ((255, polys), (0, holes)):
+        for p in group:
+            draw.polygon([tuple(v) for v in ((p + offset) * SUPERSAMPLE).tolist()], fill=fill)
+    mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float64)[..., None] / 255.0
+
+    xx, yy = _grid(n)
+    theta = rng.uniform(0.0, 2 * math.pi)
+    t = xx * math.cos(theta) + yy * math.sin(theta)
+    t = (t - t.min()) / max(float(t.max() - t.min()), 1e-9)
+    background = bg0 + (bg1 - bg0) * t[..., None]
+    image = background * (1.0 - mask) + fg * mask
+    image += rng.normal(0.0, rng.uniform(*NOISE_STD), size=image.shape)
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def _encode_jpeg(image: np.ndarray, quality: int) -> bytes:
+    """Baseline JPEG bytes (no optimize/progressive flags, so the bytes are deterministic)."""
+    buffer = io.BytesIO()
+    Image.fromarray(image, mode="RGB").save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def image_relpath(spec: EmbeddedSpec, split: str, class_index: int, index: int) -> str:
+    name = spec.classes(split)[class_index]
+    return f"{split}/{name}/{name}_{index:05d}.jpg"
+
+
+# --------------------------------------------------------------------------------------------
+# Writing the dataset
+# --------------------------------------------------------------------------------------------
+
+def _combined_sha256(digests: dict[str, str]) -> str:
+    """sha256 over `relpath NUL sha256(file) LF` for every image, in sorted relpath order."""
+    h = hashlib.sha256()
+    for rel in sorted(digests):
+        h.update(f"{rel}\0{digests[rel]}\n".encode())
+    return h.hexdigest()
+
+
+def dataset_sha256(root: str | Path) -> str:
+    """Recompute the manifest's sha256 from the image files under root."""
+    root = Path(root)
+    digests = {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for split in SPLITS if (root / split).is_dir() for p in (root / split).rglob("*.jpg")
+    }
+    return _combined_sha256(digests)
+
+
+def _read_manifest(root: Path) -> dict | None:
+    try:
+        return json.loads((root / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _matches(manifest: dict | None, spec: EmbeddedSpec) -> bool:
+    return (
+        isinstance(manifest, dict)
+        and manifest.get("spec") == asdict(spec)
+        and manifest.get("generator_version") == GENERATOR_VERSION
+    )
+
+
+def _refuse(root: Path, manifest: dict | None, spec: EmbeddedSpec) -> ValueError:
+    if isinstance(manifest, dict) and "spec" in manifest:
+        what = (f"an embedded dataset with spec {manifest.get('spec')} "
+                f"(generator version {manifest.get('generator_version')})")
+    else:
+        what = "other content (no embedded-dataset manifest)"
+    return ValueError(
+        f"{root} already holds {what}, not the requested {asdict(spec)} "
+        f"(generator version {GENERATOR_VERSION}); choose another directory or remove it yourself."
+    )
+
+
+def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bool = True) -> Path:
+    """Write the dataset described by `spec` under `root` and return root.
+
+    Skips the work when root/manifest.json already records the same spec; refuses (ValueError)
+    when root holds anything else, and never deletes it. The tree is written into a temporary
+    sibling directory and renamed into place at the end, so an interrupted run leaves no root.
+    """
+    spec.validate()
+    root = Path(root)
+    if root.exists() or root.is_symlink():
+        manifest = _read_manifest(root) if root.is_dir() else None
+        if _matches(manifest, spec):
+            return root
+        if not root.is_dir() or any(root.iterdir()):
+            raise _refuse(root, manifest, spec)
+        # An empty directory is taken as the place to put the dataset.
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    jobs = [(split, c, i) for split in SPLITS for c in range(len(spec.classes(split))) for i in range(spec.per_class(split))]
+    try:
+        if tmp.exists():  # left by an earlier run of this very process id: ours to remove
+            shutil.rmtree(tmp)
+        for split in SPLITS:
+            for name in spec.classes(split):
+                (tmp / split / name).mkdir(parents=True)
+        digests: dict[str, str] = {}
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(jobs), unit="img", desc=f"embedded dataset -> {root}", disable=not progress) as bar:
+            for split, c, i in jobs:
+                data = _encode_jpeg(render_image(spec, split, c, i), spec.jpeg_quality)
+                rel = image_relpath(spec, split, c, i)
+                (tmp / rel).write_bytes(data)
+                digests[rel] = hashlib.sha256(data).hexdigest()
+                bar.update(1)
+        manifest = {
+            "format": "fastanchor-embedded",
+            "generator_version": GENERATOR_VERSION,
+            "spec": asdict(spec),
+            "classes": {split: list(spec.classes(split)) for split in SPLITS},
+            "counts": {split: len(spec.classes(split)) * spec.per_class(split) for split in SPLITS},
+            "sha256": _combined_sha256(digests),
+            "sha256_scheme": "sha256 over 'relpath NUL sha256(file) LF' for every image, sorted by relpath",
+        }
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        _move_into_place(tmp, root, spec)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def _move_into_place(tmp: Path, root: Path, spec: EmbeddedSpec) -> None:
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+    try:
+        os.rename(tmp, root)
+    except OSError:
+        # Someone else finished first (a concurrent run): keep theirs if it is the same dataset.
+        manifest = _read_manifest(root) if root.is_dir() else None
+        if _matches(manifest, spec):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        raise _refuse(root, manifest, spec) from None

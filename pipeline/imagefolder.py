@@ -1,0 +1,69 @@
+"""Scanning an ImageFolder tree (<root>/<class>/<image>) with checks that fail with one clear line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastanchor.trainer.errors import DataError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+_MAGIC = {
+    ".jpg": (b"\xff\xd8\xff",), ".jpeg": (b"\xff\xd8\xff",), ".png": (b"\x89PNG\r\n\x1a\n",),
+    ".bmp": (b"BM",), ".webp": (b"RIFF",), ".ppm": (b"P6", b"P3"), ".tif": (b"II*\x00", b"MM\x00*"),
+    ".tiff": (b"II*\x00", b"MM\x00*"),
+}
+_IGNORED = {".DS_Store", "Thumbs.db"}
+
+
+@dataclass(frozen=True)
+class ImageFolderIndex:
+    root: Path
+    classes: tuple[str, ...]
+    samples: tuple[tuple[str, int], ...]  # (path, class index), sorted
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None) -> ImageFolderIndex:
+    """Index every image of `root`; refuse missing/empty trees and non-image files.
+
+    `classes` fixes the class list (e.g. the training split's), so that a validation split
+    missing a class still maps names to the training indices.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data directory '{root}' does not exist: expected an ImageFolder tree <class>/<image>")
+    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not found:
+        raise DataError(f"data directory '{root}' has no class folders: expected an ImageFolder tree <class>/<image>")
+    classes = tuple(classes) if classes is not None else tuple(found)
+    unknown = [c for c in found if c not in classes]
+    if unknown:
+        raise DataError(f"'{root}' has class folders not in the training classes: {', '.join(unknown[:5])}")
+    samples = []
+    for index, name in enumerate(classes):
+        folder = root / name
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.rglob("*")):
+            if path.is_dir() or path.name in _IGNORED or path.name.startswith("."):
+                continue
+            samples.append((str(check_image_file(path)), index))
+    if not samples:
+        raise DataError(f"data directory '{root}' has class folders but no images")
+    return ImageFolderIndex(root, classes, tuple(samples))
+
+
+def check_image_file(path: Path) -> Path:
+    """Cheap check (extension and magic bytes) that `path` is an image file."""
+    suffix = path.suffix.lower()
+    if suffix not in IMAGE_EXTENSIONS:
+        raise DataError(f"non-image file '{path}' among the images: expected only {', '.join(IMAGE_EXTENSIONS)} files")
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+    if not any(head.startswith(magic) for magic in _MAGIC[suffix]):
+        what = "empty" if not head else "not a valid image"
+        raise DataError(f"image file '{path}' is {what}: expected {suffix[1:].upper()} data")
+    return path

@@ -1,0 +1,21 @@
+"""User-facing errors: the CLI prints their one-line message and exits non-zero, no traceback."""
+
+
+class FastAnchorError(Exception):
+    """Base of every error caused by the user's input rather than a bug."""
+
+
+class ConfigError(FastAnchorError, ValueError):
+    """A recipe, override or option value is invalid."""
+
+
+class DataError(FastAnchorError, ValueError):
+    """A dataset directory or file is missing or not what was expected."""
+
+
+class CheckpointError(FastAnchorError, ValueError):
+    """A checkpoint is missing, damaged or not a fastanchor checkpoint."""
+
+
+class TrainingError(FastAnchorError, RuntimeError):
+    """Training cannot continue (e.g. a non-finite loss)."""

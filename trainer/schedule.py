@@ -1,0 +1,25 @@
+"""Learning-rate schedules as pure functions of the (fractional) epoch."""
+
+from __future__ import annotations
+
+import math
+
+from fastanchor.trainer.config import OptimConfig
+
+
+def lr_factor(epoch: float, total_epochs: int, optim: OptimConfig) -> float:
+    """Multiplier of the peak rate at fractional `epoch` in [0, total_epochs]."""
+    if optim.schedule == "linear_ramp":  # FFCV's: linear up to the peak epoch, then linear down to 0
+        peak = min(optim.ramp_peak_epoch, total_epochs)
+        if epoch < peak:
+            return optim.ramp_start + (1.0 - optim.ramp_start) * epoch / peak
+        return max(0.0, (total_epochs - epoch) / max(total_epochs - peak, 1e-12))
+    warmup = min(optim.warmup_epochs, total_epochs)
+    if epoch < warmup:
+        return (epoch + 1e-3) / (warmup + 1e-3)
+    if optim.schedule == "cosine":
+        progress = (epoch - warmup) / max(total_epochs - warmup, 1e-12)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    if optim.schedule == "step":
+        return optim.gamma ** sum(epoch >= m for m in optim.milestones)
+    return 1.0
