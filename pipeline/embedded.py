@@ -11,8 +11,8 @@ ImageFolder trees:
 The class is carried by shape and structure only. Everything else is sampled from one
 distribution shared by all classes: foreground colour, background (a two-colour linear
 gradient in a random direction plus mild Gaussian noise), position, rotation, and the filled
-area of the shape (7% to 22% of the image, whatever the shape; the shape's extent follows from
-it). So the per-image colour statistics (mean and spread of the pixels) carry no class
+area of the shape (AREA_FRACTION: 7% to 20% of the image, whatever the shape; the shape's extent
+follows from it, from about 30% of the image side for a circle to about 90% for thin shapes). So the per-image colour statistics (mean and spread of the pixels) carry no class
 information, and a classifier has to look at the shape. Foreground and background are kept
 apart by one rule for every class: the foreground's luminance is above both gradient end
 colours, or below both, by at least MIN_LUMINANCE_GAP.
@@ -32,6 +32,8 @@ import json
 import math
 import os
 import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
@@ -52,7 +54,7 @@ MANIFEST_NAME = "manifest.json"
 GENERATOR_VERSION = 1
 
 SUPERSAMPLE = 4
-AREA_FRACTION = (0.07, 0.22)  # filled area of the shape / image area, the same range for all classes
+AREA_FRACTION = (0.07, 0.20)  # filled area of the shape / image area, the same range for all classes
 MARGIN_FRACTION = 0.03  # the shape stays this far (fraction of the side) from the border
 MIN_LUMINANCE_GAP = 0.25  # foreground vs both gradient end colours, luminance in [0, 1]
 NOISE_STD = (2.0, 8.0)  # per-image Gaussian noise std, in 0-255 units
@@ -107,13 +109,25 @@ class EmbeddedSpec:
 # --------------------------------------------------------------------------------------------
 # Shapes. Each returns (polygons, holes) as float arrays [K, 2] in unit coordinates whose origin
 # is near the centre of the smallest disc holding the shape (it becomes the centre of rotation).
-# Holes lie inside the filled polygons (or only overlap them, for the crescent's bite, whose
-# area is handled by building the crescent as one polygon). Intra-class jitter comes from rng.
+# Holes lie inside the filled polygons (area = filled - holes). Intra-class jitter (proportions,
+# arm and stroke widths) comes from rng.
 # --------------------------------------------------------------------------------------------
+
+def _cos(t) -> np.ndarray:
+    # Scalar libm trig, not numpy's SIMD kernels (those differ by an ulp between CPUs), so the
+    # polygons, and with them the bytes, do not depend on the machine's instruction set.
+    t = np.asarray(t, dtype=np.float64)
+    return np.array([math.cos(v) for v in t.ravel().tolist()]).reshape(t.shape)
+
+
+def _sin(t) -> np.ndarray:
+    t = np.asarray(t, dtype=np.float64)
+    return np.array([math.sin(v) for v in t.ravel().tolist()]).reshape(t.shape)
+
 
 def _ngon(n: int, radius: float = 1.0, phase: float = math.pi / 2, center=(0.0, 0.0)) -> np.ndarray:
     t = phase + np.arange(n) * (2 * math.pi / n)
-    return np.stack([center[0] + radius * np.cos(t), center[1] + radius * np.sin(t)], axis=1)
+    return np.stack([center[0] + radius * _cos(t), center[1] + radius * _sin(t)], axis=1)
 
 
 def _rect(w: float, h: float) -> np.ndarray:
@@ -139,7 +153,7 @@ def _square(rng):
 def _triangle(rng):
     skew = math.radians(rng.uniform(-8, 8))
     t = np.array([math.pi / 2, math.pi / 2 + 2 * math.pi / 3 + skew, math.pi / 2 + 4 * math.pi / 3 - skew])
-    return [np.stack([np.cos(t), np.sin(t)], axis=1)], []
+    return [np.stack([_cos(t), _sin(t)], axis=1)], []
 
 
 def _star(rng):
@@ -169,9 +183,9 @@ def _hexagon(rng):
 
 
 def _arrow(rng):
-    shaft = rng.uniform(0.25, 0.35) / 2
+    shaft = rng.uniform(0.3, 0.4) / 2
     head_len = rng.uniform(0.7, 0.9)
-    head = rng.uniform(0.75, 0.95) / 1.0
+    head = rng.uniform(0.75, 0.95)
     x0, xh, x1 = -1.0, 1.0 - head_len, 1.0
     pts = [(x0, -shaft), (xh, -shaft), (xh, -head), (x1, 0), (xh, head), (xh, shaft), (x0, shaft)]
     return [np.array(pts, dtype=float)], []
@@ -179,15 +193,15 @@ def _arrow(rng):
 
 def _crescent(rng):
     # The unit disc minus a disc of radius r centred at (d, 0), as one polygon.
-    r, d = rng.uniform(0.8, 0.92), rng.uniform(0.4, 0.55)
+    r, d = rng.uniform(0.75, 0.85), rng.uniform(0.45, 0.6)
     x = (d * d + 1 - r * r) / (2 * d)
     y = math.sqrt(max(1 - x * x, 0.0))
     phi0 = math.atan2(y, x)
     psi0 = math.atan2(y, x - d)
     outer_t = np.linspace(phi0, 2 * math.pi - phi0, _CIRCLE_POINTS)
     inner_t = np.linspace(2 * math.pi - psi0, psi0, _CIRCLE_POINTS)[1:-1]
-    outer = np.stack([np.cos(outer_t), np.sin(outer_t)], axis=1)
-    inner = np.stack([d + r * np.cos(inner_t), r * np.sin(inner_t)], axis=1)
+    outer = np.stack([_cos(outer_t), _sin(outer_t)], axis=1)
+    inner = np.stack([d + r * _cos(inner_t), r * _sin(inner_t)], axis=1)
     poly = np.concatenate([outer, inner])
     return [poly - (poly.min(axis=0) + poly.max(axis=0)) / 2], []
 
@@ -197,23 +211,24 @@ def _frame(rng):
 
 
 def _bar(rng):
-    return [_rect(rng.uniform(0.25, 0.35), 1.0)], []
+    return [_rect(rng.uniform(0.28, 0.38), 1.0)], []
 
 
 def _heart(rng):
     t = np.linspace(0, 2 * math.pi, _CIRCLE_POINTS, endpoint=False)
-    x = 16 * np.sin(t) ** 3
-    y = 13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t)
+    st = _sin(t)
+    x = 16 * st * st * st
+    y = 13 * _cos(t) - 5 * _cos(2 * t) - 2 * _cos(3 * t) - _cos(4 * t)
     poly = np.stack([x, y], axis=1)
     return [poly - (poly.min(axis=0) + poly.max(axis=0)) / 2], []
 
 
 def _spiral(rng):
-    turns = rng.uniform(1.6, 2.0)
+    turns = rng.uniform(1.5, 1.8)
     t = np.linspace(0.6, turns * 2 * math.pi, 160)
     r = t / t[-1]
-    line = np.stack([r * np.cos(t), r * np.sin(t)], axis=1)
-    return [_band(line, rng.uniform(0.16, 0.2))], []
+    line = np.stack([r * _cos(t), r * _sin(t)], axis=1)
+    return [_band(line, rng.uniform(0.25, 0.29))], []
 
 
 def _checkerboard(rng):
@@ -228,15 +243,15 @@ def _checkerboard(rng):
 
 def _lightning(rng):
     k = rng.uniform(0.85, 1.15)
-    pts = [(-0.15, 1), (0.55, 1), (0.15 * k, 0.2), (0.6, 0.2), (-0.45, -1), (-0.05, -0.05), (-0.5, -0.05)]
+    pts = [(-0.3, 1), (0.65, 1), (0.25 * k, 0.3), (0.75, 0.3), (-0.45, -1), (-0.15, -0.15), (-0.65, -0.15)]
     return [np.array(pts, dtype=float)], []
 
 
 def _wave(rng):
     x = np.linspace(-1, 1, 120)
-    cycles = rng.uniform(1.2, 1.6)
-    line = np.stack([x, 0.35 * np.sin(2 * math.pi * cycles * x)], axis=1)
-    return [_band(line, rng.uniform(0.3, 0.38))], []
+    cycles = rng.uniform(0.9, 1.2)
+    line = np.stack([x, 0.35 * _sin(2 * math.pi * cycles * x)], axis=1)
+    return [_band(line, rng.uniform(0.42, 0.5))], []
 
 
 _SHAPES = {
@@ -252,7 +267,7 @@ assert not set(IN_DISTRIBUTION_CLASSES) & set(OOD_CLASSES)
 
 def _polygon_area(p: np.ndarray) -> float:
     x, y = p[:, 0], p[:, 1]
-    return 0.5 * abs(float(np.dot(x, np.roll(y, -1)) - np.dot(y, np.roll(x, -1))))
+    return 0.5 * abs(math.fsum((x * np.roll(y, -1) - y * np.roll(x, -1)).tolist()))
 
 
 def _unit_shape(name: str, rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray], float]:
@@ -269,8 +284,14 @@ def _unit_shape(name: str, rng: np.random.Generator) -> tuple[list[np.ndarray], 
 # Rendering
 # --------------------------------------------------------------------------------------------
 
+def _rotate(p: np.ndarray, angle: float) -> np.ndarray:
+    # Elementwise rather than a matmul: BLAS kernels may fuse multiply-adds differently per CPU.
+    c, s = math.cos(angle), math.sin(angle)
+    return np.stack([p[:, 0] * c - p[:, 1] * s, p[:, 0] * s + p[:, 1] * c], axis=1)
+
+
 def _luminance(rgb: np.ndarray) -> np.ndarray:
-    return rgb @ np.array([0.299, 0.587, 0.114]) / 255.0
+    return (0.299 * rgb[..., 0] + 0.587 * rgb[..., 1] + 0.114 * rgb[..., 2]) / 255.0
 
 
 def _sample_colours(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,9 +305,9 @@ def _sample_colours(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, n
 
 
 @lru_cache(maxsize=8)
-def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float64)
-    return (xx + 0.5) / size - 0.5, (yy + 0.5) / size - 0.5
+def _coords(size: int) -> np.ndarray:
+    """Pixel-centre coordinates across the image, in [-0.5, 0.5]."""
+    return ((np.arange(size, dtype=np.float64) + 0.5) / size - 0.5).astype(np.float32)
 
 
 def _image_rng(seed: int, split: str, class_index: int, index: int) -> np.random.Generator:
@@ -308,9 +329,8 @@ def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -
     margin = MARGIN_FRACTION * n
     scale = min(scale, n / 2 - margin)  # never binds for the shipped shapes (checked by the tests)
     angle = rng.uniform(0.0, 2 * math.pi)
-    rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
-    polys = [p @ rot.T * scale for p in polys]
-    holes = [h @ rot.T * scale for h in holes]
+    polys = [_rotate(p, angle) * scale for p in polys]
+    holes = [_rotate(h, angle) * scale for h in holes]
     filled = np.concatenate(polys)
     lo, hi = filled.min(axis=0), filled.max(axis=0)
     offset = rng.uniform(margin - lo, np.maximum(n - margin - hi, margin - lo))
@@ -320,16 +340,22 @@ def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -
     for fill, group in ((255, polys), (0, holes)):
         for p in group:
             draw.polygon([tuple(v) for v in ((p + offset) * SUPERSAMPLE).tolist()], fill=fill)
-    mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float64)[..., None] / 255.0
+    mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float32)[..., None]
+    mask *= np.float32(1 / 255)
 
-    xx, yy = _grid(n)
+    # Background: linear gradient from bg0 to bg1 along a random direction, across the image.
     theta = rng.uniform(0.0, 2 * math.pi)
-    t = xx * math.cos(theta) + yy * math.sin(theta)
-    t = (t - t.min()) / max(float(t.max() - t.min()), 1e-9)
-    background = bg0 + (bg1 - bg0) * t[..., None]
-    image = background * (1.0 - mask) + fg * mask
-    image += rng.normal(0.0, rng.uniform(*NOISE_STD), size=image.shape)
-    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+    c, s = math.cos(theta), math.sin(theta)
+    coords = _coords(n)
+    t = coords[None, :] * np.float32(c) + coords[:, None] * np.float32(s)
+    lo_t, hi_t = -0.5 * (abs(c) + abs(s)), 0.5 * (abs(c) + abs(s))
+    t = (t - np.float32(lo_t)) * np.float32(1 / (hi_t - lo_t))
+    image = bg0.astype(np.float32) + (bg1 - bg0).astype(np.float32) * t[..., None]
+    image += (fg.astype(np.float32) - image) * mask
+    noise_std = rng.uniform(*NOISE_STD)
+    image += rng.standard_normal(size=image.shape, dtype=np.float32) * np.float32(noise_std)
+    np.clip(image, 0, 255, out=image)
+    return np.rint(image, out=image).astype(np.uint8)
 
 
 def _encode_jpeg(image: np.ndarray, quality: int) -> bytes:
@@ -373,10 +399,14 @@ def _read_manifest(root: Path) -> dict | None:
         return None
 
 
+def _spec_dict(spec: EmbeddedSpec) -> dict[str, int]:
+    return {k: int(v) for k, v in asdict(spec).items()}
+
+
 def _matches(manifest: dict | None, spec: EmbeddedSpec) -> bool:
     return (
         isinstance(manifest, dict)
-        and manifest.get("spec") == asdict(spec)
+        and manifest.get("spec") == _spec_dict(spec)
         and manifest.get("generator_version") == GENERATOR_VERSION
     )
 
@@ -388,17 +418,21 @@ def _refuse(root: Path, manifest: dict | None, spec: EmbeddedSpec) -> ValueError
     else:
         what = "other content (no embedded-dataset manifest)"
     return ValueError(
-        f"{root} already holds {what}, not the requested {asdict(spec)} "
+        f"{root} already holds {what}, not the requested {_spec_dict(spec)} "
         f"(generator version {GENERATOR_VERSION}); choose another directory or remove it yourself."
     )
 
 
-def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bool = True) -> Path:
+def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bool = True,
+                              workers: int | None = None) -> Path:
     """Write the dataset described by `spec` under `root` and return root.
 
     Skips the work when root/manifest.json already records the same spec; refuses (ValueError)
     when root holds anything else, and never deletes it. The tree is written into a temporary
     sibling directory and renamed into place at the end, so an interrupted run leaves no root.
+    `workers` threads render, encode and write the images (None: one thread below 96 px, where
+    the GIL makes threads slower, else one per CPU core, at most 8); every image has its own
+    generator, so the bytes do not depend on the number of workers.
     """
     spec.validate()
     root = Path(root)
@@ -411,28 +445,22 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
         # An empty directory is taken as the place to put the dataset.
 
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    jobs = [(split, c, i) for split in SPLITS for c in range(len(spec.classes(split))) for i in range(spec.per_class(split))]
+    jobs = [(split, c, i) for split in SPLITS
+            for c in range(len(spec.classes(split))) for i in range(spec.per_class(split))]
+    # Unique per call (pid plus a random suffix), so concurrent runs, even two threads of one
+    # process, never share a temporary directory.
+    # (Not tempfile.mkdtemp: its 0700 mode would become the dataset's.)
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
-        if tmp.exists():  # left by an earlier run of this very process id: ours to remove
-            shutil.rmtree(tmp)
         for split in SPLITS:
             for name in spec.classes(split):
                 (tmp / split / name).mkdir(parents=True)
-        digests: dict[str, str] = {}
-        from tqdm.auto import tqdm
-
-        with tqdm(total=len(jobs), unit="img", desc=f"embedded dataset -> {root}", disable=not progress) as bar:
-            for split, c, i in jobs:
-                data = _encode_jpeg(render_image(spec, split, c, i), spec.jpeg_quality)
-                rel = image_relpath(spec, split, c, i)
-                (tmp / rel).write_bytes(data)
-                digests[rel] = hashlib.sha256(data).hexdigest()
-                bar.update(1)
+        digests = _write_images(tmp, spec, jobs, progress, workers, desc=f"embedded dataset -> {root}")
         manifest = {
             "format": "fastanchor-embedded",
             "generator_version": GENERATOR_VERSION,
-            "spec": asdict(spec),
+            "spec": _spec_dict(spec),
             "classes": {split: list(spec.classes(split)) for split in SPLITS},
             "counts": {split: len(spec.classes(split)) * spec.per_class(split) for split in SPLITS},
             "sha256": _combined_sha256(digests),
@@ -444,6 +472,41 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return root
+
+
+def _write_image(tmp: Path, spec: EmbeddedSpec, job: tuple[str, int, int]) -> tuple[str, str]:
+    data = _encode_jpeg(render_image(spec, *job), spec.jpeg_quality)
+    rel = image_relpath(spec, *job)
+    (tmp / rel).write_bytes(data)
+    return rel, hashlib.sha256(data).hexdigest()
+
+
+def _write_images(tmp: Path, spec: EmbeddedSpec, jobs: list[tuple[str, int, int]], progress: bool,
+                  workers: int | None, desc: str) -> dict[str, str]:
+    """Render, encode and write every job; return {relpath: sha256}. Threads suffice: Pillow's
+    resize and JPEG encoder and numpy release the GIL, and they hide the file-system latency."""
+    from tqdm.auto import tqdm
+
+    if workers is None:
+        workers = 1 if spec.image_size < 96 else min(8, os.cpu_count() or 1)
+    digests: dict[str, str] = {}
+    with tqdm(total=len(jobs), unit="img", desc=desc, disable=not progress) as bar:
+        if workers <= 1:
+            for job in jobs:
+                rel, digest = _write_image(tmp, spec, job)
+                digests[rel] = digest
+                bar.update(1)
+            return digests
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embedded")
+        try:
+            for rel, digest in pool.map(lambda job: _write_image(tmp, spec, job), jobs):
+                digests[rel] = digest
+                bar.update(1)
+        finally:
+            # On an error, drop the queued images and wait for the running ones, so that no
+            # thread writes into the temporary directory after the caller has removed it.
+            pool.shutdown(wait=True, cancel_futures=True)
+    return digests
 
 
 def _move_into_place(tmp: Path, root: Path, spec: EmbeddedSpec) -> None:

@@ -1,0 +1,48 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
+
+TINY_SPEC = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
+FASTANCHOR = str(Path(sys.executable).with_name("fastanchor"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """A small embedded dataset (real JPEGs) shared by the end-to-end tests; treat it as read-only."""
+    root = tmp_path_factory.mktemp("data") / "embedded"
+    generate_embedded_dataset(root, EmbeddedSpec(**TINY_SPEC), progress=False)
+    return root
+
+
+def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
+    """`--set` overrides for a few CPU steps of the demo recipe on the tiny dataset."""
+    values = {
+        "data.root": data_root, "data.batch_size": 16, "data.eval_batch_size": 32, "data.workers": 0,
+        "train.out_dir": out_dir, "train.epochs": 1, "train.progress": False, "anchor.inference_references": 8,
+        **{f"embedded.{k}": v for k, v in TINY_SPEC.items()}, "eval.severities": "[3]",
+        "eval.corruptions": "[gaussian_noise, defocus_blur, contrast]", "eval.num_references": 3,
+    }
+    values.update(extra)
+    args = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def run_cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([FASTANCHOR, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"fastanchor {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

@@ -1,0 +1,61 @@
+"""Configuration: recipes, overrides, validation with one clear message."""
+
+import pytest
+
+from fastanchor.trainer.cli import build_parser
+from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config, parse_override
+
+
+def test_demo_recipe_loads_and_overrides_apply():
+    config = load_config("demo", ["anchor.alpha=0.4", "eval.severities=[1, 5]", "optim.lr=1", "train.run_name=x"])
+    assert config.anchor.alpha == 0.4
+    assert config.eval.severities == [1, 5]
+    assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert config.train.run_name == "x"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("anchor.alpha=1.5", "anchor.alpha = 1.5: expected a probability in [0, 1]"),
+    ("anchor.alpha=-0.1", "anchor.alpha = -0.1"),
+    ("anchor.alpah=0.2", "unknown config key 'anchor.alpah' (did you mean alpha?)"),
+    ("anchr.alpha=0.2", "unknown config key 'anchr.alpha'"),
+    ("anchor.mask_level=pixel", "anchor.mask_level = 'pixel': expected one of batch, sample"),
+    ("train.epochs=two", "config key 'train.epochs' expects int, got 'two'"),
+    ("model.name=resnet181", "unknown model 'resnet181'"),
+    ("eval.corruptions=[fog, blurry]", "unknown corruption 'blurry'"),
+    ("eval.severities=[0]", "eval.severities = [0]: expected integers 1 to 5"),
+    ("alpha", "override 'alpha' is not of the form section.key=value"),
+])
+def test_bad_values_raise_one_clear_line(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config("demo", [override])
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_recipe_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="unknown recipe 'nope'"):
+        load_config("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("anchor:\n  alpha: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("anchor:\n  typo: 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'anchor.typo'"):
+        load_config(str(wrong))
+
+
+def test_every_option_is_in_help():
+    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    defaults = Config().to_dict()
+    for section, values in defaults.items():
+        for key in values:
+            assert f"{section}.{key} = " in text
+    assert describe_options() in text
+
+
+def test_parse_override_reads_yaml_values():
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+    assert parse_override("a.b=true") == ("a.b", True)
+    assert parse_override("a.b=cuda:0") == ("a.b", "cuda:0")
