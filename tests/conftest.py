@@ -1,11 +1,12 @@
-import os
-import shutil
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fastanchor.trainer.cli import main
 from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
 
 TINY_SPEC = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
@@ -36,13 +37,16 @@ def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
 
 
 def run_cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([FASTANCHOR, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    """The installed `fastanchor` console script in a subprocess."""
+    result = subprocess.run([FASTANCHOR, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"fastanchor {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result
 
 
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+def run_main(*args) -> subprocess.CompletedProcess:
+    """The same CLI entry point in this process (saves the interpreter start-up per call)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

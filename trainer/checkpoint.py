@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -45,11 +47,14 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint '{path}' does not exist")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint '{path}' is damaged or not a torch checkpoint (expected a torch.save zip archive)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else "unsafe content"
-        raise CheckpointError(f"checkpoint '{path}' was refused: it holds objects that are not plain weights ({first})") from None
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+        what = f"it would run {found.group(1)}" if found else "it holds objects that are not plain weights"
+        raise CheckpointError(f"checkpoint '{path}' was refused: {what} when unpickled; only weights are loaded") from None
     except (RuntimeError, EOFError, OSError, ValueError) as error:
         raise CheckpointError(f"checkpoint '{path}' is damaged or not a torch checkpoint: {str(error).splitlines()[0]}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:

@@ -107,6 +107,15 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         if anchored and k > 1:
             result["ood"]["auroc"]["anchored_std"] = auroc(-clean_k["std"], -ood["std"])
 
-    atomic_write_bytes(path.resolve().parent.parent / "eval.json" if path.parent.name == "checkpoints" else path.with_suffix(".eval.json"),
-                       lambda handle: handle.write(json.dumps(result, indent=2).encode()))
+    atomic_write_bytes(result_path(path), lambda handle: handle.write(json.dumps(result, indent=2).encode()))
     return result
+
+
+def result_path(checkpoint: Path) -> Path:
+    """<run>/eval.json for a run's final checkpoint, <checkpoint>.eval.json for any other."""
+    resolved = checkpoint.resolve()
+    run_dir = resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
+    final = run_dir / "final.pt"
+    if final.exists() and final.resolve() == resolved:
+        return run_dir / "eval.json"
+    return resolved.with_suffix(".eval.json")
