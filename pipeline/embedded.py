@@ -11,7 +11,7 @@ ImageFolder trees:
 The class is carried by shape and structure only. Everything else is sampled from one
 distribution shared by all classes: foreground colour, background (a two-colour linear
 gradient in a random direction plus mild Gaussian noise), position, rotation, and the filled
-area of the shape (AREA_FRACTION: 7% to 20% of the image, whatever the shape; the shape's extent
+area of the shape (AREA_FRACTION: 12% to 20% of the image, whatever the shape; the shape's extent
 follows from it, from about 30% of the image side for a circle to about 90% for thin shapes). So the per-image colour statistics (mean and spread of the pixels) carry no class
 information, and a classifier has to look at the shape. Foreground and background are kept
 apart by one rule for every class: the foreground's luminance is above both gradient end
@@ -51,13 +51,13 @@ SPLITS: tuple[str, ...] = ("train", "val", "ood")
 MANIFEST_NAME = "manifest.json"
 # Bump when a change to the drawing code changes the bytes; a dataset written by another
 # version is refused instead of being silently reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 SUPERSAMPLE = 4
-AREA_FRACTION = (0.07, 0.20)  # filled area of the shape / image area, the same range for all classes
+AREA_FRACTION = (0.12, 0.20)  # filled area of the shape / image area, the same range for all classes
 MARGIN_FRACTION = 0.03  # the shape stays this far (fraction of the side) from the border
 MIN_LUMINANCE_GAP = 0.25  # foreground vs both gradient end colours, luminance in [0, 1]
-NOISE_STD = (2.0, 8.0)  # per-image Gaussian noise std, in 0-255 units
+NOISE_STD = (1.0, 4.0)  # per-image Gaussian noise std, in 0-255 units
 
 _SPLIT_CODES = {"train": 0, "val": 1, "ood": 2}
 _CIRCLE_POINTS = 96
