@@ -34,8 +34,15 @@ def anchor_torch(
     mean,
     std,
     dtype: torch.dtype = torch.float32,
+    reference_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """uint8 images and references [B, 3, H, W], bool `masked` [B] -> [B, 6, H, W] network input."""
+    """uint8 images [B, 3, H, W] and references, bool `masked` [B] -> [B, 6, H, W] network input.
+
+    With `reference_index`, `references` is a pool [R, 3, H, W] and sample i's reference is
+    references[reference_index[i]] (what the fused kernel gathers); without it, references is [B, 3, H, W].
+    """
+    if reference_index is not None:
+        references = references[reference_index]
     if images.shape != references.shape:
         raise ValueError(f"images {tuple(images.shape)} and references {tuple(references.shape)} differ in shape")
     x = normalize(images, mean, std, torch.float32)

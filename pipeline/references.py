@@ -28,18 +28,26 @@ def derangement(n: int, generator: torch.Generator | None = None) -> torch.Tenso
 
 
 class ReferenceSource:
-    """Gives a reference for each sample of a uint8 batch and may learn from the batch."""
+    """Gives a reference for each sample of a uint8 batch and may learn from the batch.
+
+    `pair` returns (pool, index): sample i's reference is pool[index[i]]. A fused kernel gathers
+    from the pool itself, so references are never materialised as a second batch.
+    """
+
+    def pair(self, images: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     def references_for(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        raise NotImplementedError
+        pool, index = self.pair(images, generator)
+        return pool[index]
 
     def observe(self, images: torch.Tensor) -> None:
         """Called after pairing, with the batch just used."""
 
 
 class InBatchDerangement(ReferenceSource):
-    def references_for(self, images, generator):
-        return images[derangement(images.shape[0], generator).to(images.device)]
+    def pair(self, images, generator):
+        return images, derangement(images.shape[0], generator).to(images.device)
 
 
 class ReferenceBank(ReferenceSource):
@@ -57,11 +65,10 @@ class ReferenceBank(ReferenceSource):
         self.filled = 0
         self.cursor = 0
 
-    def references_for(self, images, generator):
+    def pair(self, images, generator):
         if self.images is None or self.filled == 0 or self.images.shape[1:] != images.shape[1:]:
-            return images[derangement(images.shape[0], generator).to(images.device)]
-        index = torch.randint(self.filled, (images.shape[0],), generator=generator).to(images.device)
-        return self.images[index]
+            return images, derangement(images.shape[0], generator).to(images.device)
+        return self.images, torch.randint(self.filled, (images.shape[0],), generator=generator).to(images.device)
 
     def observe(self, images):
         if self.images is None or self.images.shape[1:] != images.shape[1:]:
@@ -93,8 +100,7 @@ class FixedReferenceSet(ReferenceSource):
     def to(self, device) -> "FixedReferenceSet":
         return FixedReferenceSet(self.images.to(device))
 
-    def references_for(self, images, generator):
+    def pair(self, images, generator):
         if self.images.shape[1:] != images.shape[1:]:
             raise ValueError(f"reference images {tuple(self.images.shape[1:])} do not match the batch's {tuple(images.shape[1:])}")
-        index = torch.randint(len(self), (images.shape[0],), generator=generator).to(self.images.device)
-        return self.images[index]
+        return self.images, torch.randint(len(self), (images.shape[0],), generator=generator).to(self.images.device)

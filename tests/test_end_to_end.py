@@ -52,3 +52,20 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
     assert results["standard"]["anchored"] is False and results["anchored"]["anchored"] is True
     for kind in ("standard", "anchored"):
         assert (demo_dir / kind / "final.pt").exists() and (demo_dir / kind / "eval.json").exists()
+
+
+def test_other_options_train_in_process(tiny_dataset, tmp_path):
+    from conftest import run_main
+
+    variants = {
+        "bank-sample-bf16": {"anchor.references": "bank", "anchor.bank_size": 20, "anchor.mask_level": "sample",
+                             "train.amp": "bf16", "optim.name": "sgd", "optim.schedule": "linear_ramp"},
+        "fixed-label-step": {"anchor.references": "fixed", "anchor.fixed_size": 5, "anchor.masked_target": "label",
+                             "optim.schedule": "step", "optim.milestones": "[1]", "optim.label_smoothing": 0.1,
+                             "optim.grad_clip": 1.0, "model.name": "torchvision/resnet18"},
+    }
+    for name, overrides in variants.items():
+        result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": name, **overrides}))
+        assert result.returncode == 0, result.stderr
+        records = read_jsonl(tmp_path / name / "metrics.jsonl")
+        assert records[-1]["epoch"] == 1 and torch.isfinite(torch.tensor(records[-1]["train_loss"]))
