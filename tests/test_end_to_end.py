@@ -69,3 +69,17 @@ def test_other_options_train_in_process(tiny_dataset, tmp_path):
         assert result.returncode == 0, result.stderr
         records = read_jsonl(tmp_path / name / "metrics.jsonl")
         assert records[-1]["epoch"] == 1 and torch.isfinite(torch.tensor(records[-1]["train_loss"]))
+
+
+def test_prepare_generates_the_embedded_dataset_once(tmp_path):
+    from conftest import TINY_SPEC, run_main
+
+    args = ["prepare", "--set", f"data.root={tmp_path / 'emb'}", "--set", "train.progress=false"]
+    args += [arg for key, value in TINY_SPEC.items() for arg in ("--set", f"embedded.{key}={value}")]
+    result = run_main(*args)
+    assert result.returncode == 0 and f"embedded dataset ready in {tmp_path / 'emb'}" in result.stdout
+    files = sorted((tmp_path / "emb" / "train").rglob("*.jpg"))
+    assert len(files) == TINY_SPEC["num_classes"] * TINY_SPEC["train_per_class"]
+    before = {f: f.stat().st_mtime_ns for f in files}
+    assert run_main(*args).returncode == 0
+    assert {f: f.stat().st_mtime_ns for f in files} == before  # same spec: nothing rewritten

@@ -20,7 +20,8 @@ def _add_config_arguments(parser: argparse.ArgumentParser, default_recipe: str |
 
 
 def build_parser() -> argparse.ArgumentParser:
-    options = "options (section.key = default):\n" + describe_options()
+    options = ("options (section.key = built-in default; a recipe given by --config sets its own values, "
+               "--set overrides both):\n" + describe_options())
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="fastanchor", description="Anchored training of vision models.",
                                      formatter_class=formatter)
