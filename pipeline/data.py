@@ -42,14 +42,42 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
     return scan_image_folder(Path(data.root) / split, classes)
 
 
-def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int) -> TorchvisionLoader:
+def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
+    return Path(data.root) / "ffcv" / f"{index.root.name}.beton"
+
+
+def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = True) -> Path:
+    """The split's .beton, written (and verified) when missing or when it no longer matches the split."""
+    from fastanchor.pipeline.ffcv_loader import inspect_beton, write_beton
+
+    path = beton_path(data, index)
+    if path.exists():
+        info = inspect_beton(path)
+        if info.num_samples == len(index) and info.labels.tolist() == [label for _, label in index.samples]:
+            return path
+    write_beton(index, path, max_resolution=data.ffcv_max_resolution or None, jpeg_quality=data.ffcv_jpeg_quality,
+                compress_probability=data.ffcv_compress_probability, workers=max(1, data.workers), progress=progress)
+    return path
+
+
+def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int):
+    if data.loader == "ffcv":
+        from fastanchor.pipeline.ffcv_loader import FFCVLoader
+
+        return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
+                          min_scale=data.min_scale, workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
     dataset = DecodedImages(index, train_transform(data.image_size, data.min_scale))
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
                              workers=data.workers, device=device, seed=seed)
 
 
-def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
-                corruption: Corruption | None = None) -> TorchvisionLoader:
+def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None):
+    """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path)."""
+    if data.loader == "ffcv" and corruption is None:
+        from fastanchor.pipeline.ffcv_loader import FFCVLoader
+
+        return FFCVLoader(ensure_beton(data, index), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
     dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
     return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
                              workers=min(data.workers, 1) if corruption is None else data.workers, device=device)

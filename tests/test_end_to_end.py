@@ -77,9 +77,25 @@ def test_prepare_generates_the_embedded_dataset_once(tmp_path):
     args = ["prepare", "--set", f"data.root={tmp_path / 'emb'}", "--set", "train.progress=false"]
     args += [arg for key, value in TINY_SPEC.items() for arg in ("--set", f"embedded.{key}={value}")]
     result = run_main(*args)
-    assert result.returncode == 0 and f"embedded dataset ready in {tmp_path / 'emb'}" in result.stdout
+    assert result.returncode == 0 and f"dataset ready in {tmp_path / 'emb'}" in result.stdout
     files = sorted((tmp_path / "emb" / "train").rglob("*.jpg"))
     assert len(files) == TINY_SPEC["num_classes"] * TINY_SPEC["train_per_class"]
     before = {f: f.stat().st_mtime_ns for f in files}
     assert run_main(*args).returncode == 0
     assert {f: f.stat().st_mtime_ns for f in files} == before  # same spec: nothing rewritten
+
+
+def test_ffcv_loader_by_one_config_key(tiny_dataset, tmp_path):
+    import shutil
+
+    from conftest import run_main
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    prepared = run_main("prepare", "--format", "ffcv", *tiny_overrides(data, tmp_path))
+    assert prepared.returncode == 0, prepared.stderr
+    assert sorted(p.name for p in (data / "ffcv").iterdir()) == ["ood.beton", "train.beton", "val.beton"]
+    result = run_main("train", *tiny_overrides(data, tmp_path, **{"data.loader": "ffcv", "train.run_name": "ffcv"}))
+    assert result.returncode == 0, result.stderr
+    records = read_jsonl(tmp_path / "ffcv" / "metrics.jsonl")
+    assert records[-1]["epoch"] == 1 and 0 <= records[-1]["val_top1"] <= 100

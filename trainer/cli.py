@@ -27,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=formatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    prepare = commands.add_parser("prepare", help="generate the embedded dataset (ImageFolder of JPEGs) into data.root",
+    prepare = commands.add_parser("prepare", help="generate the embedded dataset into data.root; with --format ffcv also write .beton files",
                                   epilog=options, formatter_class=formatter)
     _add_config_arguments(prepare)
+    prepare.add_argument("--format", choices=("imagefolder", "ffcv"), default="imagefolder",
+                         help="imagefolder: the ImageFolder tree of JPEGs only; ffcv: also <root>/ffcv/<split>.beton for every split")
 
     train = commands.add_parser("train", help="train a standard or anchored model", epilog=options, formatter_class=formatter)
     _add_config_arguments(train)
@@ -55,9 +57,17 @@ def run(args: argparse.Namespace) -> int:
         from fastanchor.pipeline.data import ensure_dataset
 
         config = load_config(args.config, args.overrides)
-        if config.data.dataset != "embedded":
-            raise FastAnchorError("prepare generates the embedded dataset: set data.dataset=embedded")
-        print(f"embedded dataset ready in {ensure_dataset(config)}")
+        root = ensure_dataset(config, progress=config.train.progress)
+        print(f"dataset ready in {root}")
+        if args.format == "ffcv":
+            from fastanchor.pipeline.data import ensure_beton, split_index
+
+            d = config.data
+            train_index = split_index(d, d.train_split)
+            indexes = [train_index, split_index(d, d.val_split, train_index.classes)]
+            indexes += [split_index(d, d.ood_split)] if d.ood_split else []
+            for index in indexes:
+                print(f"{index.root.name}: {ensure_beton(d, index, progress=config.train.progress)} ({len(index)} images)")
     elif args.command == "train":
         from fastanchor.trainer.train import train
 
