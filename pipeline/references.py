@@ -82,9 +82,6 @@ class ReferenceBank(ReferenceSource):
         self.cursor = (self.cursor + n) % self.capacity
         self.filled = min(self.capacity, self.filled + n)
 
-    def state_dict(self) -> dict:
-        return {"images": self.images, "filled": self.filled, "cursor": self.cursor}
-
 
 class FixedReferenceSet(ReferenceSource):
     """A fixed set of uint8 reference images [R, 3, H, W]; references drawn uniformly."""

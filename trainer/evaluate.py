@@ -101,7 +101,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         from fastanchor.pipeline.imagefolder import scan_image_folder
 
         ood = run(eval_loader(d, scan_image_folder(ood_root), device), f"ood K={k}", k)
-        scores = {"energy": energy_score, "msp": lambda z: msp_score(z), "maxlogit": maxlogit_score}
+        scores = {"energy": energy_score, "msp": msp_score, "maxlogit": maxlogit_score}
         result["ood"] = {"convention": "AUROC with ID as the positive class (higher score = more in-distribution)",
                          "auroc": {name: auroc(fn(clean_k["logits"]), fn(ood["logits"])) for name, fn in scores.items()}}
         if anchored and k > 1:
