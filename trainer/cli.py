@@ -60,14 +60,20 @@ def run(args: argparse.Namespace) -> int:
         root = ensure_dataset(config, progress=config.train.progress)
         print(f"dataset ready in {root}")
         if args.format == "ffcv":
-            from fastanchor.pipeline.data import ensure_beton, split_index
+            from fastanchor.pipeline.audit import audit_image_folder
+            from fastanchor.pipeline.data import beton_path, ensure_beton
 
             d = config.data
-            train_index = split_index(d, d.train_split)
-            indexes = [train_index, split_index(d, d.val_split, train_index.classes)]
-            indexes += [split_index(d, d.ood_split)] if d.ood_split else []
-            for index in indexes:
-                print(f"{index.root.name}: {ensure_beton(d, index, progress=config.train.progress)} ({len(index)} images)")
+            splits = [d.train_split, d.val_split] + ([d.ood_split] if d.ood_split else [])
+            classes = None
+            for split in splits:
+                index, report = audit_image_folder(root / split, None if split == d.ood_split else classes)
+                classes = classes or index.classes
+                report_path = beton_path(d, index).with_suffix(".report.json")
+                report.write(report_path)
+                print(report.summary())
+                print(f"{split}: {ensure_beton(d, index, progress=config.train.progress)} ({len(index)} images; "
+                      f"report {report_path})")
     elif args.command == "train":
         from fastanchor.trainer.train import train
 
