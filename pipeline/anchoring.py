@@ -111,6 +111,7 @@ class AnchoringStage:
             return AnchoredBatch(normalize(images, spec.mean, spec.std, self.dtype), labels, masked)
         masked = draw_mask(images.shape[0], spec.alpha, spec.mask_level, self.generator).to(self.device)
         pool, index = self.references.pair(images, self.generator)
-        inputs = anchor(images, pool, masked, spec.mean, spec.std, self.dtype, reference_index=index)
-        self.references.observe(images)
+        bank, slots = self.references.reserve(images) or (None, None)  # the bank is filled by the same pass
+        inputs = anchor(images, pool, masked, spec.mean, spec.std, self.dtype, reference_index=index,
+                        bank=bank, bank_slots=slots)
         return AnchoredBatch(inputs, labels, masked)
