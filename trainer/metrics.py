@@ -190,12 +190,30 @@ def _fixed_point_bandwidth(ece_at, steps: int = 10, smallest: float = 1e-3) -> f
 
 
 def _smooth_ece_at(f: np.ndarray, residual: np.ndarray, bandwidth: float) -> float:
+    _, smoothed_residual, density = _smoothed_on_mesh(f, residual, bandwidth)
+    return float(np.abs(smoothed_residual).sum() / (density + DENSITY_FLOOR).sum())
+
+
+def _smoothed_on_mesh(f: np.ndarray, residual: np.ndarray, bandwidth: float):
+    """(mesh, kernel-smoothed residual sums, kernel density sums) on smECE's mesh."""
     mesh = np.linspace(0.0, 1.0, max(round(10 / bandwidth), 200))
     nodes = max(2000, round(20 / bandwidth)) // 2 + 1
     grid = np.linspace(0.0, 1.0, nodes)
     smoothed_residual = np.interp(mesh, grid, _smooth_on_grid(_linear_binning(f, residual, nodes), bandwidth))
     density = np.interp(mesh, grid, _smooth_on_grid(_linear_binning(f, np.ones_like(f), nodes), bandwidth))
-    return float(np.abs(smoothed_residual).sum() / (density + DENSITY_FLOOR).sum())
+    return mesh, smoothed_residual, density
+
+
+def reliability_curve(confidence, outcome) -> dict:
+    """The smoothed reliability diagram at smECE's bandwidth: on a mesh of confidences t, the estimated
+    accuracy t - r(t) (r the smoothed residual) and the density of the confidences (integrating to 1)."""
+    f = np.asarray(confidence, dtype=np.float64).ravel()
+    residual = f - np.asarray(outcome, dtype=np.float64).ravel()
+    bandwidth = _fixed_point_bandwidth(lambda s: _smooth_ece_at(f, residual, s))
+    mesh, smoothed_residual, density = _smoothed_on_mesh(f, residual, bandwidth)
+    accuracy = mesh - smoothed_residual / (density + DENSITY_FLOOR)
+    return {"confidence": mesh, "accuracy": accuracy, "density": density / (density.sum() * (mesh[1] - mesh[0])),
+            "bandwidth": bandwidth, "smece": _smooth_ece_at(f, residual, bandwidth)}
 
 
 def _linear_binning(x: np.ndarray, weights: np.ndarray, nodes: int) -> np.ndarray:
