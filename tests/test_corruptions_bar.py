@@ -3,7 +3,6 @@ severity monotone in distortion, the same seed the same bytes, hand-checked case
 
 import numpy as np
 import pytest
-
 from fastanchor.pipeline.corruptions import corrupt_image
 from fastanchor.pipeline.corruptions_bar import (
     IMAGENET_C_BAR_CORRUPTIONS,

@@ -9,15 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, shift_sets
+from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, normalize
+from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, shift_sets, subset
 from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.torchvision_loader import eval_transform, load_rgb
+from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.errors import DataError
-from fastanchor.trainer.evaluate import Outputs
+from fastanchor.trainer.evaluate import Outputs, load_for_inference
+from fastanchor.trainer.metrics import auroc, fpr_at_tpr
+from PIL import Image
 
 FEW = {"eval.max_images": 12, "eval.num_references": 3, "eval.blt_candidates": 4, "eval.blt_residuals": 40,
        "eval.severities": "[3]"}
@@ -100,6 +101,12 @@ def test_anchored_model_on_every_kind_of_set(runs, sources, tiny_dataset):
     for metrics in ood["sets"]["ood"].values():
         assert set(metrics) == {"auroc", "aupr", "fpr95"} and all(0 <= v <= 1 for v in metrics.values())
     assert ood["auroc"]["energy"] == pytest.approx(ood["sets"]["ood"]["energy"]["auroc"])
+    with np.load(runs / "anchored" / ood["scores_file"]) as stored:  # per-sample scores: the metrics follow from them
+        assert set(stored.files) == {f"{s}/{score}" for s in ("id", "ood", "ood-again") for score in scores}
+        assert stored["id/energy"].shape == (12,)
+        for score in scores:
+            assert auroc(stored[f"id/{score}"], stored[f"ood/{score}"]) == ood["sets"]["ood"][score]["auroc"]
+            assert fpr_at_tpr(stored[f"id/{score}"], stored[f"ood/{score}"]) == ood["sets"]["ood"][score]["fpr95"]
 
     assert set(result["plots"]) == {"reliability", "ood_scores", "accuracy_vs_severity"}
     for relative in result["plots"].values():
@@ -107,7 +114,7 @@ def test_anchored_model_on_every_kind_of_set(runs, sources, tiny_dataset):
             assert image.format == "PNG" and image.size[0] > 200
 
 
-def test_standard_model_and_the_ood_positive_convention(runs):
+def test_standard_model_and_the_ood_positive_convention(runs, tiny_dataset):
     common = {**FEW, "eval.corruptions": "[]", "eval.corruptions_bar": "[]", "eval.plots": "false"}
     by_id = evaluate(runs / "standard", *overrides(**common))
     by_ood = evaluate(runs / "standard", *overrides(**common, **{"eval.ood_positive": "ood"}))
@@ -119,6 +126,16 @@ def test_standard_model_and_the_ood_positive_convention(runs):
     for score, metrics in by_id["ood"]["sets"]["ood"].items():
         assert by_ood["ood"]["sets"]["ood"][score]["auroc"] == pytest.approx(metrics["auroc"])  # AUROC is symmetric
     assert any(by_ood["ood"]["sets"]["ood"][s]["fpr95"] != m["fpr95"] for s, m in by_id["ood"]["sets"]["ood"].items())
+    # the stored ID scores against the model's logits recomputed here, in float64
+    model, _, _ = load_for_inference(runs / "standard" / "final.pt", torch.device("cpu"))
+    images = subset(DecodedImages(scan_image_folder(tiny_dataset / "val"), eval_transform(32, 1.0)), 12, 0)
+    batch = torch.stack([images[i][0] for i in range(len(images))])
+    with torch.no_grad():
+        logits = model(normalize(batch, IMAGENET_MEAN_255, IMAGENET_STD_255)).double()
+    with np.load(runs / "standard" / by_ood["ood"]["scores_file"]) as stored:
+        np.testing.assert_allclose(stored["id/energy"], torch.logsumexp(logits, 1).numpy(), rtol=1e-5)
+        np.testing.assert_allclose(stored["id/maxlogit"], logits.max(1).values.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(stored["id/msp"], logits.softmax(1).max(1).values.numpy(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("key, value, message", [

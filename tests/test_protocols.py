@@ -5,7 +5,6 @@ import pytest
 import timm
 import torch
 import torchvision
-
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.features import PenultimateTap, classifier_layer, react_threshold

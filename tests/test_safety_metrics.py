@@ -4,8 +4,6 @@ float64 loops and cases worked by hand."""
 import numpy as np
 import pytest
 import relplot
-from sklearn.metrics import average_precision_score, roc_curve
-
 from fastanchor.trainer.metrics import (
     aupr,
     binned_calibration_error,
@@ -15,6 +13,7 @@ from fastanchor.trainer.metrics import (
     smooth_calibration_error,
     smooth_ece,
 )
+from sklearn.metrics import average_precision_score, roc_curve
 
 
 def random_scores(seed, n_id=300, n_ood=200):

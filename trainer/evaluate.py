@@ -19,6 +19,7 @@ reference set (a uniform sample of the training images, saved with every checkpo
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import time
 import warnings
@@ -249,7 +250,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     else:
         id_loader = lambda: eval_loader(d, val_index, device)  # noqa: E731
 
-    ev = Evaluator(model, config, state, device, progress)
+    ev = Evaluator(model, config, state, device, progress and config.train.progress)
     anchored, k = ev.anchored, ev.k
     result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch")}
 
@@ -298,6 +299,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     # --- anomaly rejection ----------------------------------------------------------------------------
     if oods:
         result["ood"], ood_score_values = anomaly_rejection(ev, oods, clean_k, tap, d, device)
+        result["ood"]["scores_file"] = write_ood_scores(path, ood_score_values)
     else:
         ood_score_values = None
 
@@ -328,6 +330,19 @@ def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], clean_k: Outputs, tap,
     if "react" in names:
         summary["react_threshold"] = tap.clip_at
     return summary, values
+
+
+def write_ood_scores(checkpoint: Path, values: dict) -> str:
+    """Per-sample scores beside eval.json (`ood_scores.npz`: arrays "id/<score>" and "<ood set>/<score>"),
+    for histograms drawn later; returns the file's path relative to the run directory."""
+    arrays = {f"id/{score}": v for score, v in values["id"].items()}
+    arrays.update({f"{name}/{score}": v for name, scores in values["ood"].items() for score, v in scores.items()})
+    target = result_path(checkpoint)
+    target = target.with_name("ood_scores.npz" if target.name == "eval.json" else target.name.replace(".eval.json", ".ood_scores.npz"))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(target, lambda handle: handle.write(buffer.getvalue()))
+    return str(target.relative_to(run_directory_of(checkpoint)))
 
 
 def severity_means(shift_results: dict) -> dict:

@@ -26,7 +26,7 @@ def _save(figure, path: Path) -> None:
 
     buffer = io.BytesIO()
     figure.tight_layout()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    figure.savefig(buffer, format="png", dpi=100)
     plt.close(figure)
     atomic_write_bytes(path, lambda handle: handle.write(buffer.getvalue()))
 
@@ -69,9 +69,9 @@ def ood_score_histograms(id_scores: dict[str, np.ndarray], ood_scores: dict[str,
         values = [id_scores[score]] + [sets[score] for sets in ood_scores.values()]
         low, high = min(v.min() for v in values), max(v.max() for v in values)
         edges = np.linspace(low, high if high > low else low + 1, 40)
-        axis.hist(id_scores[score], bins=edges, density=True, alpha=0.55, label="ID")
+        axis.hist(id_scores[score], bins=edges, density=True, histtype="stepfilled", alpha=0.4, label="ID")
         for set_name, sets in ood_scores.items():
-            axis.hist(sets[score], bins=edges, density=True, alpha=0.45, label=set_name)
+            axis.hist(sets[score], bins=edges, density=True, histtype="step", linewidth=1.5, label=set_name)
         axis.set(title=score, xlabel="score (higher = more ID)")
         axis.legend(fontsize=7)
     _save(figure, path)
@@ -85,6 +85,6 @@ def accuracy_against_severity(id_top1: float, by_benchmark: dict[str, dict[int, 
         severities = sorted(by_severity)
         axis.plot([0] + severities, [id_top1] + [by_severity[s] for s in severities], marker="o", label=benchmark)
     axis.set(xlabel="severity (0: clean validation)", ylabel="top-1 (%)", title="Accuracy under corruption",
-             xticks=range(0, 6), ylim=(0, 100))
+             xticks=range(6), ylim=(0, 100))
     axis.legend(fontsize=8)
     _save(figure, path)
