@@ -36,6 +36,7 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.trainer.checkpoint import atomic_write_bytes, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
+from fastanchor.trainer.errors import ConfigError
 from fastanchor.trainer.features import PenultimateTap, react_threshold
 from fastanchor.trainer.inference import BilinearTransduction, predict
 from fastanchor.trainer.metrics import (
@@ -179,7 +180,7 @@ class Evaluator:
     """The model, its reference set and the protocols, with the seeds and progress bars of one evaluation."""
 
     def __init__(self, model, config: Config, state: dict, device: torch.device, progress: bool):
-        self.model, self.config, self.device, self.progress = model, config, device, progress
+        self.model, self.config, self.progress = model, config, progress
         self.anchored = config.anchor.enabled
         self.num_classes = len(state["classes"])
         self.reference_images = state["reference_images"].to(device)
@@ -252,6 +253,9 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
 
     ev = Evaluator(model, config, state, device, progress and config.train.progress)
     anchored, k = ev.anchored, ev.k
+    if anchored and e.blt and len(ev.references) < 2:
+        raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
+                          "(anchor.inference_references): set eval.blt=false")
     result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch")}
 
     # --- inference protocols on the validation split ----------------------------------------------
@@ -277,15 +281,15 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         result["protocols"] = "a standard model: one forward pass per image; ms_per_1000 is its time per 1000 images"
 
     # --- generalisation and calibration under shift -------------------------------------------------
-    shift_results, reliability_groups = {}, {}
-    for eval_set, outputs in [(None, clean)] + [(s, None) for s in shifts]:
-        if eval_set is not None:
-            outputs = ev.run(ev.references_protocol(1), loader_for(eval_set.dataset, d, device), eval_set.name)
-            outputs = outputs.restricted(eval_set.class_subset)
-            shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(outputs), **calibration(outputs, e.ece_bins)}
-        group = reliability_groups.setdefault("validation" if eval_set is None else eval_set.benchmark, ([], []))
-        for part, values in zip(group, confidences_and_outcomes(outputs.probs.double().numpy(), outputs.labels.numpy())):
-            part.append(values)
+    shift_results = {}
+    reliability_groups = {"validation": [confidences_and_outcomes(clean.probs.double().numpy(), clean.labels.numpy())]}
+    for eval_set in shifts:
+        outputs = ev.run(ev.references_protocol(1), loader_for(eval_set.dataset, d, device), eval_set.name)
+        outputs = outputs.restricted(eval_set.class_subset)
+        shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(outputs), **calibration(outputs, e.ece_bins)}
+        group = eval_set.benchmark if eval_set.kind == "corruption" else eval_set.name  # corruptions pooled per benchmark
+        reliability_groups.setdefault(group, []).append(
+            confidences_and_outcomes(outputs.probs.double().numpy(), outputs.labels.numpy()))
     result["shifts"] = shift_results
     result["corruptions"] = {name: r["top1"] for name, r in shift_results.items() if r["kind"] == "corruption"}
     if result["corruptions"]:
@@ -360,7 +364,7 @@ def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_va
     run_dir = run_directory_of(checkpoint)
     folder = run_dir / "plots" if result_path(checkpoint) == run_dir / "eval.json" else run_dir / "plots" / checkpoint.stem
     plots = {}
-    groups = {name: (np.concatenate(c), np.concatenate(o)) for name, (c, o) in reliability_groups.items()}
+    groups = {name: tuple(np.concatenate(part) for part in zip(*pairs)) for name, pairs in reliability_groups.items()}
     reliability_diagram(groups, folder / "reliability.png", bins)
     plots["reliability"] = folder / "reliability.png"
     if ood_values is not None:
