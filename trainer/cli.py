@@ -37,9 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a standard or anchored model", epilog=options, formatter_class=formatter)
     _add_config_arguments(train)
 
-    evaluate = commands.add_parser("evaluate", help="evaluate a checkpoint (accuracy, corruptions, anomaly rejection)",
-                                   epilog="--set accepts data.* and eval.* options; the rest come from the checkpoint.\n" + options,
-                                   formatter_class=formatter)
+    evaluate = commands.add_parser(
+        "evaluate", help="evaluate a checkpoint: inference protocols, generalisation, calibration, anomaly rejection",
+        description="Writes <run>/eval.json and plots under <run>/plots/: ID top-1/top-5 with 1 and K references and "
+                    "BLT (time per 1000 images each); top-1, smoothed and binned ECE per shift set (eval.corruptions, "
+                    "eval.corruptions_bar on the fly; eval.c_root, eval.c_bar_root, eval.cifar_c_root, eval.imagenet_r, "
+                    "eval.datasets when given) with their mean +- std; AUROC, AUPR and FPR95 of the energy, MSP, "
+                    "MaxLogit, ReAct and anchored-std scores on data.ood_split and eval.ood_sets (positive class: "
+                    "eval.ood_positive, named in the output).",
+        epilog="--set accepts data.* and eval.* options; the rest come from the checkpoint.\n" + options,
+        formatter_class=formatter)
     evaluate.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) written by fastanchor train")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
