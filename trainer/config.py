@@ -135,9 +135,24 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     corruptions: list = _opt(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
-    severities: list = _opt([2, 4], "corruption severities (1 to 5)")
+    corruptions_bar: list = _opt(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split (our implementation of the published definitions)")
+    severities: list = _opt([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = _opt(5, "K references per test sample for the mean prediction and the std score (anchored models)")
-    seed: int = _opt(0, "seed of corruptions and of reference draws at evaluation")
+    seed: int = _opt(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
+    blt: bool = _opt(True, "also evaluate bilinear transduction (per-sample reference search) on the validation split (anchored models)")
+    blt_candidates: int = _opt(50, "BLT: candidate references searched per batch (a random subset of the inference reference set)")
+    blt_residuals: int = _opt(1000, "BLT: training residuals r_a - r_b compared against, drawn from pairs of the inference reference set")
+    c_root: str = _opt("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
+    c_bar_root: str = _opt("", "pre-generated ImageNet-C-bar tree, severity folders 1-5 or the published levels ('' to skip)")
+    cifar_c_root: str = _opt("", "CIFAR-10/100-C folder of <corruption>.npy (5 severities x N) and labels.npy ('' to skip)")
+    imagenet_r: str = _opt("", "ImageNet-R ImageFolder, evaluated with the 200-class logit mask ('' to skip)")
+    datasets: list = _opt([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
+    ood_sets: list = _opt([], "OOD ImageFolders for anomaly rejection besides data.ood_split (Textures, Places365, NINCO...), as name=path")
+    ood_positive: str = _opt("id", "positive class of AUPR and FPR95: id (SFT/RankFeat papers) or ood (pytorch-ood, OpenOOD v1.5)", choices=("id", "ood"))
+    react_percentile: float = _opt(90.0, "ReAct: clip penultimate activations at this percentile of their values on the inference reference set (training images)")
+    ece_bins: int = _opt(15, "equal-width confidence bins of the binned ECE")
+    max_images: int = _opt(0, "evaluate at most this many images per set, a seeded random subset (0: all)")
+    plots: bool = _opt(True, "write reliability diagram, OOD score histograms and accuracy vs severity under <run>/plots/")
     flip_tta: bool = _opt(False, "test-time augmentation: average the logits of each image and its horizontal mirror (FFCV's lr_tta), in validation and evaluation")
 
 
@@ -394,6 +409,15 @@ def validate(config: Config) -> None:
     from fastanchor.pipeline.data import check_loader_supports
 
     check_loader_supports(config)
-    from fastanchor.pipeline.corruptions import check_corruption_names
+    _check(e.blt_candidates >= 1, f"eval.blt_candidates = {e.blt_candidates}: expected >= 1")
+    _check(e.blt_residuals >= 1, f"eval.blt_residuals = {e.blt_residuals}: expected >= 1")
+    _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
+    _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
+    _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
+    from fastanchor.pipeline.corruptions import IMAGENET_C_BAR_CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.eval_sets import check_named_paths
 
     check_corruption_names(e.corruptions)
+    check_corruption_names(e.corruptions_bar, IMAGENET_C_BAR_CORRUPTIONS, "ImageNet-C-bar corruption")
+    check_named_paths(e.datasets, "eval.datasets")
+    check_named_paths(e.ood_sets, "eval.ood_sets")
