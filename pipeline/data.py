@@ -16,7 +16,7 @@ from fastanchor.pipeline.torchvision_loader import (
     train_transform,
 )
 from fastanchor.trainer.config import Config, DataConfig
-from fastanchor.trainer.errors import DataError
+from fastanchor.trainer.errors import ConfigError, DataError
 
 
 def ensure_dataset(config: Config, progress: bool = True) -> Path:
@@ -60,13 +60,37 @@ def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = Tru
     return path
 
 
-def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int):
+# What each loader can do per image besides its crop and flip (checked once, at start-up).
+_LOADER_POLICIES = {
+    "torchvision": ("none", "autoaugment", "randaugment", "trivialaugment_wide", "augmix"),
+    "ffcv": ("none",),
+    "dali": ("none", "autoaugment", "randaugment", "trivialaugment_wide"),
+}
+_LOADER_POLICY_NOTES = {
+    "ffcv": "FFCV's pipeline only crops and flips; use data.loader=torchvision or dali",
+    "dali": "nvidia.dali.auto_aug has no AugMix; use data.loader=torchvision",
+}
+
+
+def check_loader_supports(config: Config) -> None:
+    """Refuse, with one line, a per-image augmentation the configured loader cannot do."""
+    loader, policy = config.data.loader, config.augment.auto_augment
+    if policy not in _LOADER_POLICIES.get(loader, (policy,)):
+        raise ConfigError(f"augment.auto_augment = {policy!r} is not supported by data.loader = {loader!r}: "
+                          f"{_LOADER_POLICY_NOTES[loader]}")
+
+
+def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *, policy: str = "none"):
+    """The training loader; `policy` is augment.auto_augment (see check_loader_supports)."""
     if data.loader == "ffcv":
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
-                          min_scale=data.min_scale, workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
-    dataset = DecodedImages(index, train_transform(data.image_size, data.min_scale))
+                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
+    transform = train_transform(data.image_size, data.min_scale, crop=data.train_crop, padding=data.crop_padding,
+                                policy=policy)
+    dataset = DecodedImages(index, transform)
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
                              workers=data.workers, device=device, seed=seed)
 

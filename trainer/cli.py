@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default="", help="output directory (default: report/ in the runs' common parent, or in the run)")
     report.add_argument("--title", default="fastanchor report", help="page title")
 
+    recipes = commands.add_parser(
+        "recipes", help="list the recipes under configs/ with the published results they aim at and their commands",
+        description="Prints the recipe tables (Markdown) generated from the recipe files: what each trains, the published "
+                    "result it aims at and its source, the commands for 1 and 8 GPUs, and measured throughput where a "
+                    "benchmark result names the recipe. A recipe runs by its name: fastanchor train --config NAME.")
+    recipes.add_argument("--readme", default="", metavar="README.md",
+                         help="rewrite the generated block between the recipe markers in this file instead of printing")
+
     demo = commands.add_parser("demo", help="train standard and anchored models on the embedded dataset and compare them",
                                epilog=options, formatter_class=formatter)
     _add_config_arguments(demo)
@@ -176,6 +184,14 @@ def run(args: argparse.Namespace) -> int:
 
         paths = write_report([Path(r) for r in args.runs], Path(args.out) if args.out else None, args.title)
         print(f"report written: {paths['report.html']} and {paths['report.md']}")
+    elif args.command == "recipes":
+        from fastanchor.trainer.recipes import recipes_markdown, write_readme
+
+        if args.readme:
+            write_readme(Path(args.readme))
+            print(f"recipe tables written into {args.readme}")
+        else:
+            print(recipes_markdown(), end="")
     elif args.command == "demo":
         from fastanchor.trainer.demo import run_demo
 

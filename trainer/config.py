@@ -42,7 +42,6 @@ class DataConfig:
     ffcv_jpeg_quality: int = _opt(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = _opt(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")
     image_size: int = _opt(32, "training and evaluation crop size in pixels")
-    eval_image_size: int = _opt(0, "evaluation (and inference-reference) crop size in pixels when it differs from training's, e.g. 256 while training at 160-192 (0: data.image_size)")
     crop_ratio: float = _opt(0.875, "evaluation centre-crop ratio: resize to image_size / crop_ratio, then crop image_size (224/256 = 0.875)")
     train_crop: str = _opt("random_resized", "training crop: random_resized (random area in [min_scale, 1], aspect 3/4-4/3, resized to image_size) or padded (CIFAR's: pad data.crop_padding pixels of black, crop image_size at a random offset; images must be image_size already)", choices=("random_resized", "padded"))
     crop_padding: int = _opt(4, "train_crop padded: pixels of padding on each side")
@@ -362,8 +361,6 @@ def validate(config: Config) -> None:
     _check(a.fixed_size >= 1, f"anchor.fixed_size = {a.fixed_size}: expected >= 1")
     _check(a.inference_references >= 1, f"anchor.inference_references = {a.inference_references}: expected >= 1")
     _check(16 <= d.image_size <= 1024, f"data.image_size = {d.image_size}: expected 16 to 1024 pixels")
-    _check(d.eval_image_size == 0 or 16 <= d.eval_image_size <= 1024,
-           f"data.eval_image_size = {d.eval_image_size}: expected 16 to 1024 pixels, or 0 for data.image_size")
     _check(0.0 < d.crop_ratio <= 1.0, f"data.crop_ratio = {d.crop_ratio}: expected a ratio in (0, 1]")
     _check(0 <= d.crop_padding <= d.image_size, f"data.crop_padding = {d.crop_padding}: expected 0 to data.image_size pixels")
     _check(0.0 < d.min_scale <= 1.0, f"data.min_scale = {d.min_scale}: expected a scale in (0, 1]")

@@ -21,6 +21,8 @@ from tqdm import tqdm
 
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
 from fastanchor.pipeline.data import ensure_dataset, eval_loader, reference_images, split_index, train_loader
+from fastanchor.pipeline.erasing import RandomErasing
+from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
@@ -29,7 +31,7 @@ from fastanchor.trainer.inference import predict
 from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.metrics import topk_correct
 from fastanchor.trainer.models import create_model
-from fastanchor.trainer.schedule import lr_factor
+from fastanchor.trainer.schedule import lr_factor, peak_lr
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,20 +59,25 @@ def seed_everything(seed: int) -> None:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weights only: norms, biases (every parameter with ndim <= 1) are exempt."""
+    """Weight decay on weights only: norms, biases (every parameter with ndim <= 1) are exempt, and so
+    are the parameters a timm model lists in `no_weight_decay()` (position embeddings, class tokens,
+    relative-position tables: torchvision's --transformer-embedding-decay 0)."""
+    listed = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
     decay, exempt = [], []
-    for parameter in model.parameters():
+    for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            (exempt if parameter.ndim <= 1 else decay).append(parameter)
+            no_decay = parameter.ndim <= 1 or name in listed or name.rpartition(".")[2] in listed
+            (exempt if no_decay else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, config: Config, world_size: int = 1) -> torch.optim.Optimizer:
     o = config.optim
     groups = parameter_groups(model, o.weight_decay)
+    lr = peak_lr(o, config.data.batch_size * world_size)
     if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas))
 
 
 def run_directory(config: Config) -> Path:
@@ -86,7 +93,7 @@ def run_directory(config: Config) -> Path:
 def build_model(config: Config, num_classes: int, device: torch.device) -> torch.nn.Module:
     model = create_model(config.model.name, num_classes, anchored=config.anchor.enabled,
                          pretrained=config.model.pretrained, image_size=config.data.image_size,
-                         drop_rate=config.model.drop_rate)
+                         drop_rate=config.model.drop_rate, blurpool=config.model.blurpool)
     model = model.to(device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -95,7 +102,7 @@ def build_model(config: Config, num_classes: int, device: torch.device) -> torch
 
 @torch.no_grad()
 def validate_top1(model, loader, *, anchored: bool, references: FixedReferenceSet | None, seed: int,
-                  dtype: torch.dtype | None, progress: bool) -> dict:
+                  dtype: torch.dtype | None, progress: bool, flip: bool = False) -> dict:
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     correct = {1: 0, 5: 0}
@@ -103,7 +110,7 @@ def validate_top1(model, loader, *, anchored: bool, references: FixedReferenceSe
     autocast = torch.autocast(loader.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
     for images, labels in tqdm(loader, desc="validate", leave=False, disable=not progress, unit="batch"):
         with autocast:
-            prediction = predict(model, images, anchored=anchored, references=references, generator=generator)
+            prediction = predict(model, images, anchored=anchored, references=references, generator=generator, flip=flip)
         for k, hits in topk_correct(prediction.logits, labels).items():
             correct[k] += hits
         seen += labels.numel()
@@ -124,7 +131,7 @@ def train(config: Config) -> Path:
     train_index = split_index(config.data, config.data.train_split)
     val_index = split_index(config.data, config.data.val_split, train_index.classes)
     num_classes = len(train_index.classes)
-    loader = train_loader(config.data, train_index, device, t.seed)
+    loader = train_loader(config.data, train_index, device, t.seed, policy=config.augment.auto_augment)
     val_loader = eval_loader(config.data, val_index, device)
     if len(loader) == 0:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is larger than the {len(train_index)} "
@@ -144,10 +151,13 @@ def train(config: Config) -> Path:
     step_model = torch.compile(model) if t.compile else model
     input_dtype = autocast_dtype or torch.float32
 
+    g = config.augment
     stage = AnchoringStage(
         loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
-        device=device, dtype=input_dtype, seed=t.seed)
+        device=device, dtype=input_dtype, seed=t.seed,
+        augment=RandomErasing(g.random_erasing, seed=t.seed) if g.random_erasing > 0 else None)
+    mixer = BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=t.seed)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -168,9 +178,10 @@ def train(config: Config) -> Path:
             bar = tqdm(stage, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{t.epochs}", disable=not t.progress,
                        unit="batch", dynamic_ncols=True)
             for batch in bar:
+                inputs, mix = mixer(batch.inputs, batch.masked)
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    logits = step_model(batch.inputs)
-                    loss = anchored_cross_entropy(logits, batch.labels, batch.masked,
+                    logits = step_model(inputs)
+                    loss = anchored_cross_entropy(logits, batch.labels, batch.masked, mix=mix,
                                                   label_smoothing=o.label_smoothing, masked_target=a.masked_target)
                 if not torch.isfinite(loss):
                     raise TrainingError(f"loss became {loss.item()} at step {step} (epoch {epoch + 1}); "
@@ -198,11 +209,13 @@ def train(config: Config) -> Path:
                     log({"step": step, "epoch": round(step / steps_per_epoch, 4),
                          "loss": loss_value, "lr": scheduler.get_last_lr()[0], "masked": bool(batch.masked.any()),
                          "images_per_s": images_per_s})
+                if step == t.max_steps:  # a smoke test of the recipe: no validation, no checkpoint
+                    return run_dir
 
             # --- per-epoch validation and checkpoint ----------------------------------------
             eval_model = ema if ema is not None else model
             val = validate_top1(eval_model, val_loader, anchored=a.enabled, references=inference_refs,
-                                seed=config.eval.seed, dtype=autocast_dtype, progress=t.progress)
+                                seed=config.eval.seed, dtype=autocast_dtype, progress=t.progress, flip=config.eval.flip_tta)
             record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
                       "train_images_per_s": seen / (time.perf_counter() - started), **val}
             log(record)
