@@ -15,8 +15,9 @@
 #
 # Results go to $RESULTS (default: $OUT when set, as on a lent device machine, else benchmarks/results);
 # copy them into benchmarks/results/, commit, and run `fastanchor bench readme`. Without a network,
-# missing packages install from a carried wheel directory: WHEELS=wheels benchmarks/run_gpu.sh check
-# (prepare it elsewhere with `pip download timm matplotlib -d wheels`).
+# missing packages install from a carried wheel directory: WHEELS=data/wheels benchmarks/run_gpu.sh check
+# (prepare it where the registry is reachable with `pip download timm matplotlib -d data/wheels`;
+# data/ is git-ignored, so it can travel with the working tree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
