@@ -1,4 +1,4 @@
-"""The `fastanchor` command: prepare, train, evaluate, robustness, linear-probe, report, demo."""
+"""The `fastanchor` command: prepare, train, evaluate, robustness, linear-probe, report, demo, bench."""
 
 from __future__ import annotations
 
@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                                epilog=options, formatter_class=formatter)
     _add_config_arguments(demo)
     demo.add_argument("--out-dir", default="runs", help="where the demo's run directory is created (default: runs)")
+
+    from fastanchor.benchmarks.cli import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
@@ -196,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
         from fastanchor.trainer.demo import run_demo
 
         run_demo(load_config(args.config, args.overrides), Path(args.out_dir))
+    elif args.command == "bench":
+        from fastanchor.benchmarks.cli import run_bench
+
+        return run_bench(args, args.argv)
     return 0
 
 
@@ -210,6 +218,7 @@ def one_line(error: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in benchmark result files
     try:
         return run(args)
     except FastAnchorError as error:

@@ -31,7 +31,7 @@ from fastanchor.trainer.report_tables import (
     number,
     percent,
     reference_index,
-    severity_means,
+    benchmark_severity_means,
     table_cells,
 )
 
@@ -108,11 +108,11 @@ def recorded_plot(run: RunResults, relative: str) -> bytes | None:
 def severity_figure(runs: list[RunResults]) -> Figure | None:
     curves, anchored = {}, {}
     for run in runs:
-        means = severity_means(get(run.eval, "corruptions"))
         clean = number(get(run.eval, "id", "top1"))
-        if means:
-            curves[run.name] = ({0: clean} if clean is not None else {}) | {s: m for s, (m, _) in means.items()}
-            anchored[run.name] = run.anchored
+        for benchmark, means in benchmark_severity_means(run.eval).items():
+            label = run.name if benchmark == "corruptions" else f"{run.name} · {benchmark}"
+            curves[label] = ({0: clean} if clean is not None else {}) | {s: m for s, (m, _) in means.items()}
+            anchored[label] = run.anchored
     if not curves:
         return None
     return Figure("accuracy_vs_severity", "Generalisation", "Mean top-1 over the evaluated corruptions at each "

@@ -132,6 +132,21 @@ def severity_means(corruptions: dict) -> dict[int, tuple[float, int]]:
     return {s: (float(np.mean(v)), len(v)) for s, v in sorted(by_severity.items())}
 
 
+def benchmark_severity_means(evaluation: dict) -> dict[str, dict[int, tuple[float, int]]]:
+    """{benchmark: {severity: (mean top-1, how many corruptions)}}, one curve per corruption benchmark
+    (ImageNet-C and C-bar kept apart, as in the paper's Table 2) from the "shifts" entries that name
+    their benchmark; results without that are pooled from "corruptions" under "corruptions"."""
+    grouped: dict[str, dict[int, list[float]]] = {}
+    for entry in (get(evaluation, "shifts") or {}).values():
+        if isinstance(entry, dict) and entry.get("kind") == "corruption" and entry.get("benchmark") \
+                and number(entry.get("top1")) is not None and entry.get("severity") is not None:
+            grouped.setdefault(str(entry["benchmark"]), {}).setdefault(int(entry["severity"]), []).append(float(entry["top1"]))
+    if grouped:
+        return {b: {s: (float(np.mean(v)), len(v)) for s, v in sorted(by.items())} for b, by in grouped.items()}
+    pooled = severity_means(get(evaluation, "corruptions"))
+    return {"corruptions": pooled} if pooled else {}
+
+
 def k_reference_key(mapping, prefix: str) -> str | None:
     """The "<prefix><K>" key of a mapping (top1_k5, k5), if it has one."""
     return next((k for k in (mapping or {}) if re.fullmatch(re.escape(prefix) + r"\d+", str(k))), None)
@@ -163,11 +178,13 @@ def generalisation_table(runs: list[RunResults]) -> Table | None:
     ks = [k_reference_key(get(e, "id"), "top1_k") for e in evals]
     rows.append(Row(f"ID top-1, mean prediction over K references (%) (K: {k_label(ks)})",
                     [number(get(e, "id", key)) if key else None for e, key in zip(evals, ks)], better="higher"))
-    means = [severity_means(get(e, "corruptions")) for e in evals]
-    counts = sorted({n for m in means for _, n in m.values()})
-    for severity in sorted({s for m in means for s in m}):
-        rows.append(Row(f"corruptions, severity {severity} (%)", [m[severity][0] if severity in m else None for m in means],
-                        better="higher"))
+    per_run = [benchmark_severity_means(e) for e in evals]
+    counts = sorted({n for m in per_run for by in m.values() for _, n in by.values()})
+    for benchmark in _ordered_union(per_run):
+        means = [m.get(benchmark, {}) for m in per_run]
+        for severity in sorted({s for m in means for s in m}):
+            rows.append(Row(f"{benchmark}, severity {severity} (%)", [m[severity][0] if severity in m else None for m in means],
+                            better="higher"))
     rows.append(Row("corruptions, mean over all (%)", [number(get(e, "corruption_mean_top1")) for e in evals], better="higher"))
     for name in _ordered_union(get(e, "shifts") for e in evals):
         if all(get(e, "shifts", name, "kind") in (None, "dataset") for e in evals) and \
