@@ -156,8 +156,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "train":
         from fastanchor.trainer.train import train
 
-        run_dir = train(load_config(args.config, args.overrides))
-        print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
+        config = load_config(args.config, args.overrides)
+        run_dir = train(config)
+        if not (run_dir / "final.pt").exists():  # train.max_steps stopped it first
+            print(f"stopped after train.max_steps = {config.train.max_steps} steps: {run_dir} holds metrics.jsonl and "
+                  f"config.yaml, no checkpoint")
+        else:
+            print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
     elif args.command == "evaluate":
         from fastanchor.trainer.evaluate import evaluate_checkpoint
 
