@@ -66,6 +66,11 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
                           min_scale=data.min_scale, workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
+    if data.loader == "dali":
+        from fastanchor.pipeline.dali_loader import DALILoader
+
+        return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
     dataset = DecodedImages(index, train_transform(data.image_size, data.min_scale))
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
                              workers=data.workers, device=device, seed=seed)
@@ -77,6 +82,11 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
+    if data.loader == "dali" and corruption is None:
+        from fastanchor.pipeline.dali_loader import DALILoader
+
+        return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
                           crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
     dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
     return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
