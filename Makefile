@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	fi
 	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,test]"
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,dali,test]"
 	@touch $(STAMP)
 
 clean:

@@ -88,6 +88,12 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
         return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
                           min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
+    if data.loader == "dali":
+        from fastanchor.pipeline.dali_loader import DALILoader
+
+        return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
+                          crop=data.train_crop, padding=data.crop_padding, policy=policy,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
     transform = train_transform(data.image_size, data.min_scale, crop=data.train_crop, padding=data.crop_padding,
                                 policy=policy)
     dataset = DecodedImages(index, transform)
@@ -101,6 +107,11 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
+    if data.loader == "dali" and corruption is None:
+        from fastanchor.pipeline.dali_loader import DALILoader
+
+        return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
                           crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
     dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
     return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,

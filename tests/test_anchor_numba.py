@@ -1,6 +1,5 @@
 """The CPU numba anchoring loop against the torch reference (bit for bit) and a float64 oracle."""
 
-import json
 
 import numba
 import pytest
@@ -135,19 +134,3 @@ def test_dispatch_uses_numba_for_float32_on_the_cpu_with_a_thread_safe_layer():
     assert torch.equal(got, anchor_numba(images, images, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index))
     # FFCV's loader thread runs numba loops while the training thread runs this one: never workqueue
     assert numba.threading_layer() in ("tbb", "omp")
-
-
-def test_cpu_benchmark_script_records_every_repetition(tmp_path):
-    """benchmarks/cpu_anchor_op.py at a tiny size: it checks the outputs agree and keeps every timing."""
-    from fastanchor.benchmarks.cpu_anchor_op import main
-
-    out = tmp_path / "results" / "cpu_anchor_op.json"
-    threads = torch.get_num_threads(), numba.get_num_threads()
-    argv = ["--batch", "3", "--sizes", "5", "7", "--threads", "1", "--repetitions", "2", "--calls", "1", "--out", str(out)]
-    result = main(argv)
-    saved = json.loads(out.read_text())
-    assert saved == json.loads(json.dumps(result)) and saved["command"].endswith(" ".join(argv))
-    assert {(r["image_size"], r["references"], r["implementation"]) for r in saved["records"]} == {
-        (s, ref, impl) for s in (5, 7) for ref in ("derangement", "bank") for impl in ("torch", "numba")}
-    assert all(len(r["ms_per_call"]) == 2 and r["median_ms"] > 0 for r in saved["records"])
-    assert (torch.get_num_threads(), numba.get_num_threads()) == threads  # restored for whoever runs next

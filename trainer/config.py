@@ -37,7 +37,7 @@ class DataConfig:
     train_split: str = _opt("train", "training split folder under data.root")
     val_split: str = _opt("val", "validation split folder under data.root")
     ood_split: str = _opt("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
-    loader: str = _opt("torchvision", "data loader: torchvision DataLoader over the ImageFolder, or FFCV over .beton files written from it (<root>/ffcv/<split>.beton, written on first use or by `prepare --format ffcv`)", choices=("torchvision", "ffcv"))
+    loader: str = _opt("torchvision", "data loader: torchvision DataLoader over the ImageFolder, FFCV over .beton files written from it (<root>/ffcv/<split>.beton, written on first use or by `prepare --format ffcv`), or NVIDIA DALI reading the ImageFolder (decoding on the CPU, or on the GPU with nvJPEG when training on CUDA)", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = _opt(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = _opt(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = _opt(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")
@@ -48,7 +48,7 @@ class DataConfig:
     min_scale: float = _opt(0.35, "lower bound of the random-resized-crop area scale for training")
     batch_size: int = _opt(128, "training batch size (per process)")
     eval_batch_size: int = _opt(256, "evaluation batch size")
-    workers: int = _opt(2, "data-loading worker processes (0 decodes in the main process)")
+    workers: int = _opt(2, "data-loading worker processes (0 decodes in the main process); FFCV and DALI: decoding threads (0 means 1)")
     drop_last: bool = _opt(True, "drop the last incomplete training batch")
 
 
