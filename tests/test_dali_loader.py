@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
