@@ -247,7 +247,8 @@ def _writer_class():
                 for process in processes:
                     process.start()
                 allocation_list, finished, shown = [], 0, 0
-                with tqdm(total=num_samples, desc=f"writing {self.target}", disable=not self.progress) as bar:
+                with tqdm(total=num_samples, desc=f"writing {self.target}", unit="img",
+                          disable=not self.progress) as bar:
                     while finished < len(processes):
                         self._raise_reported(errors)
                         try:

@@ -8,6 +8,7 @@ processes, pinned memory on CUDA, persistent workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from torchvision.transforms import v2
 
 from fastanchor.pipeline.corruptions import corrupt_image
 from fastanchor.pipeline.imagefolder import ImageFolderIndex
-from fastanchor.trainer.errors import DataError
+from fastanchor.trainer.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,17 @@ class DecodedImages(Dataset):
 
 
 class TorchvisionLoader:
-    """Iterates (uint8 channels-last images, int64 labels) on `device`; `set_epoch` reseeds order."""
+    """Iterates (uint8 channels-last images, int64 labels) on `device`; `set_epoch` reseeds order.
+
+    The usual fast settings of a torch DataLoader: `workers` decoding processes that persist
+    across epochs, each keeping `prefetch_factor` batches ahead, and pinned host memory with
+    asynchronous copies when `device` is CUDA.
+
+    `set_image_size(s)` (progressive resizing) needs `transform_for_size`, the dataset's transform
+    as a function of the image side: the dataset's transform is rebuilt, and since persistent
+    workers hold their own copy of the dataset, the DataLoader (and its workers) is rebuilt too,
+    once per change of size.
+    """
 
     def __init__(
         self,
@@ -102,12 +113,16 @@ class TorchvisionLoader:
         workers: int,
         device: torch.device,
         seed: int = 0,
+        prefetch_factor: int = 4,
+        transform_for_size: Callable[[int], v2.Transform] | None = None,
     ):
         self.device = torch.device(device)
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
-        self.loader = DataLoader(
-            dataset,
+        self.dataset = dataset
+        self.transform_for_size = transform_for_size
+        self.image_size: int | None = None  # None: as the dataset's transform was given
+        self._loader_options = dict(
             batch_size=batch_size,
             shuffle=shuffle,
             drop_last=drop_last,
@@ -116,11 +131,24 @@ class TorchvisionLoader:
             persistent_workers=workers > 0,
             generator=self.generator,
             worker_init_fn=_seed_worker,
-            prefetch_factor=4 if workers > 0 else None,
+            prefetch_factor=prefetch_factor if workers > 0 else None,
         )
+        self.loader = DataLoader(dataset, **self._loader_options)
 
     def set_epoch(self, epoch: int) -> None:
         self.generator.manual_seed(self.seed * 1_000_003 + epoch)
+
+    def set_image_size(self, image_size: int) -> None:
+        """Output image_size x image_size images from the next iteration on."""
+        if not (isinstance(image_size, int) and image_size >= 1):
+            raise ConfigError(f"image_size = {image_size!r}: expected a positive integer (pixels)")
+        if image_size == self.image_size:
+            return
+        if self.transform_for_size is None:
+            raise ConfigError("this torchvision loader was built without transform_for_size: its image size is fixed")
+        self.dataset.transform = self.transform_for_size(image_size)
+        self.image_size = image_size
+        self.loader = DataLoader(self.dataset, **self._loader_options)  # new workers with the new transform
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -28,11 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=formatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    prepare = commands.add_parser("prepare", help="generate the embedded dataset into data.root; with --format ffcv also write .beton files",
-                                  epilog=options, formatter_class=formatter)
+    prepare = commands.add_parser(
+        "prepare", help="generate the embedded dataset or decode CIFAR pickles into data.root; with --format ffcv also write .beton files",
+        description="Make data.root an ImageFolder tree: the embedded dataset (data.dataset=embedded), the CIFAR-10/100 "
+                    "python-pickle directory data.cifar_dir decoded to PNGs (data.dataset=cifar), or your own tree "
+                    "(data.dataset=folder). With --format ffcv, every split is audited and written to "
+                    "<data.root>/ffcv/<split>.beton (verified, atomic) with its report and manifest. The .beton options: "
+                    "data.ffcv_max_resolution, data.ffcv_jpeg_quality, data.ffcv_compress_probability (0: raw pixels), "
+                    "data.ffcv_write_workers (writer processes); train.progress shows progress bars with images/s.",
+        epilog=options, formatter_class=formatter)
     _add_config_arguments(prepare)
     prepare.add_argument("--format", choices=("imagefolder", "ffcv"), default="imagefolder",
-                         help="imagefolder: the ImageFolder tree of JPEGs only; ffcv: also <root>/ffcv/<split>.beton for every split")
+                         help="imagefolder: the ImageFolder tree only; ffcv: also <root>/ffcv/<split>.beton for every split")
 
     train = commands.add_parser("train", help="train a standard or anchored model", epilog=options, formatter_class=formatter)
     _add_config_arguments(train)
@@ -144,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
 
             d = config.data
             splits = [d.train_split, d.val_split] + ([d.ood_split] if d.ood_split else [])
+            if d.dataset == "cifar" and d.ood_split and not (root / d.ood_split).is_dir():
+                print(f"{d.ood_split}: no .beton (CIFAR has no OOD split and '{root / d.ood_split}' does not exist)")
+                splits.remove(d.ood_split)
             classes = None
             for split in splits:
                 index, report = audit_image_folder(root / split, None if split == d.ood_split else classes)

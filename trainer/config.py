@@ -32,7 +32,8 @@ def _opt(default, help_text, **kwargs):
 
 @dataclass
 class DataConfig:
-    dataset: str = _opt("embedded", "'embedded' (generated procedurally into data.root) or 'folder' (your ImageFolder tree)", choices=("embedded", "folder"))
+    dataset: str = _opt("embedded", "'embedded' (generated procedurally into data.root), 'folder' (your ImageFolder tree) or 'cifar' (data.cifar_dir decoded once into data.root)", choices=("embedded", "folder", "cifar"))
+    cifar_dir: str = _opt("", "cifar: the CIFAR-10 or CIFAR-100 python-pickle directory (cifar-10-batches-py or cifar-100-python), decoded once into data.root as an ImageFolder tree of lossless PNGs (train_split from the training batches, val_split from the test batch)")
     root: str = _opt("data/embedded", "dataset root holding the split folders, each an ImageFolder tree (<split>/<class>/<image>)")
     train_split: str = _opt("train", "training split folder under data.root")
     val_split: str = _opt("val", "validation split folder under data.root")
@@ -41,7 +42,15 @@ class DataConfig:
     ffcv_max_resolution: int = _opt(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = _opt(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = _opt(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")
-    image_size: int = _opt(32, "training and evaluation crop size in pixels")
+    ffcv_write_workers: int = _opt(0, "FFCV: processes that decode and encode images while writing a .beton (0: one per CPU core)")
+    ffcv_order: str = _opt("quasi_random", "FFCV: training sample order; quasi_random (page-aware shuffle, for datasets larger than RAM) or random (a full shuffle)", choices=("quasi_random", "random"))
+    ffcv_os_cache: bool = _opt(True, "FFCV: read the .beton through the OS page cache (true: for files that fit in RAM) or FFCV's own process cache (false: for larger files, best with quasi_random)")
+    image_size: int = _opt(32, "training and evaluation crop size in pixels (evaluation always uses it, also with progressive resizing)")
+    resolution_start: int = _opt(0, "progressive resizing: training resolution up to epoch resolution_ramp_start_epoch (0 with resolution_end 0 disables progressive resizing; 0 alone means data.image_size)")
+    resolution_end: int = _opt(0, "progressive resizing: training resolution from epoch resolution_ramp_end_epoch on (0: data.image_size)")
+    resolution_ramp_start_epoch: int = _opt(0, "progressive resizing: last epoch (counted from 0) at resolution_start")
+    resolution_ramp_end_epoch: int = _opt(0, "progressive resizing: first epoch (counted from 0) at resolution_end; in between, linear, rounded to the nearest multiple of resolution_step")
+    resolution_step: int = _opt(32, "progressive resizing: intermediate resolutions are multiples of this (pixels)")
     crop_ratio: float = _opt(0.875, "evaluation centre-crop ratio: resize to image_size / crop_ratio, then crop image_size (224/256 = 0.875)")
     train_crop: str = _opt("random_resized", "training crop: random_resized (random area in [min_scale, 1], aspect 3/4-4/3, resized to image_size) or padded (CIFAR's: pad data.crop_padding pixels of black, crop image_size at a random offset; images must be image_size already)", choices=("random_resized", "padded"))
     crop_padding: int = _opt(4, "train_crop padded: pixels of padding on each side")
@@ -372,6 +381,19 @@ def validate(config: Config) -> None:
     _check(d.ffcv_max_resolution >= 0, f"data.ffcv_max_resolution = {d.ffcv_max_resolution}: expected >= 0")
     _check(1 <= d.ffcv_jpeg_quality <= 100, f"data.ffcv_jpeg_quality = {d.ffcv_jpeg_quality}: expected 1 to 100")
     _check(0.0 <= d.ffcv_compress_probability <= 1.0, f"data.ffcv_compress_probability = {d.ffcv_compress_probability}: expected [0, 1]")
+    _check(d.train_split != d.val_split, f"data.val_split = {d.val_split!r}: expected a split other than data.train_split")
+    _check(d.ffcv_write_workers >= 0, f"data.ffcv_write_workers = {d.ffcv_write_workers}: expected >= 0")
+    _check(d.dataset != "cifar" or d.cifar_dir != "", "data.dataset = 'cifar' needs data.cifar_dir: the CIFAR python-pickle directory")
+    for name in ("resolution_start", "resolution_end"):
+        value = getattr(d, name)
+        _check(value == 0 or 16 <= value <= 1024, f"data.{name} = {value}: expected 0 (data.image_size) or 16 to 1024 pixels")
+    _check(0 <= d.resolution_ramp_start_epoch <= d.resolution_ramp_end_epoch,
+           f"data.resolution_ramp_start_epoch = {d.resolution_ramp_start_epoch}, data.resolution_ramp_end_epoch = "
+           f"{d.resolution_ramp_end_epoch}: expected 0 <= start <= end")
+    _check(d.resolution_step >= 1, f"data.resolution_step = {d.resolution_step}: expected >= 1 pixel")
+    _check(not (d.resolution_start or d.resolution_end) or not (a.enabled and a.references == "fixed"),
+           "anchor.references = 'fixed' holds references at data.image_size: progressive resizing (data.resolution_start/end) "
+           "needs derangement or bank references")
     _check(o.lr > 0, f"optim.lr = {o.lr}: expected > 0")
     _check(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay}: expected >= 0")
     _check(0.0 <= o.label_smoothing < 1.0, f"optim.label_smoothing = {o.label_smoothing}: expected [0, 1)")

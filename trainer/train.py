@@ -23,6 +23,7 @@ from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_re
 from fastanchor.pipeline.data import ensure_dataset, eval_loader, reference_images, split_index, train_loader
 from fastanchor.pipeline.erasing import RandomErasing
 from fastanchor.pipeline.mixing import BatchMixer
+from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
@@ -174,6 +175,8 @@ def train(config: Config) -> Path:
             # --- one epoch of training -------------------------------------------------------
             model.train()
             loader.set_epoch(epoch)
+            resolution = training_resolution(config.data, epoch)  # progressive resizing; eval stays at data.image_size
+            loader.set_image_size(resolution)
             started, seen, loss_sum = time.perf_counter(), 0, 0.0
             bar = tqdm(stage, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{t.epochs}", disable=not t.progress,
                        unit="batch", dynamic_ncols=True)
@@ -200,6 +203,7 @@ def train(config: Config) -> Path:
                         for ema_buffer, buffer in zip(ema.buffers(), model.buffers()):
                             ema_buffer.copy_(buffer)
                 step += 1
+                input_shape = list(batch.inputs.shape[1:])
                 seen += batch.labels.numel()
                 loss_value = loss.item()
                 loss_sum += loss_value * batch.labels.numel()
@@ -217,7 +221,8 @@ def train(config: Config) -> Path:
             val = validate_top1(eval_model, val_loader, anchored=a.enabled, references=inference_refs,
                                 seed=config.eval.seed, dtype=autocast_dtype, progress=t.progress, flip=config.eval.flip_tta)
             record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
-                      "train_images_per_s": seen / (time.perf_counter() - started), **val}
+                      "train_images_per_s": seen / (time.perf_counter() - started), "resolution": resolution,
+                      "train_input_shape": input_shape, **val}
             log(record)
             if t.progress:
                 tqdm.write(f"epoch {epoch + 1}: loss {record['train_loss']:.4f}  val top-1 {val['val_top1']:.2f}%  "
