@@ -1,6 +1,7 @@
 """The recipes under configs/: every one loads, validates and trains two steps through the loader it
-names, on a tiny dataset of its shape (real JPEGs: ImageNet-shaped for the ImageNet recipes,
-32 x 32 for CIFAR; four classes; resolutions scaled down, the real models); their learning-rate
+names, on a tiny dataset of its shape (ImageNet-shaped JPEGs in four classes for the ImageNet recipes,
+at scaled-down resolutions; small CIFAR python-pickle directories for the CIFAR recipes; the real
+models); their learning-rate
 and resolution schedules against hand-computed values; recipe inheritance; the README's recipe
 tables are the generated ones."""
 
@@ -35,21 +36,31 @@ def imagenet_shaped(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cifar_shaped(tiny_dataset, tmp_path_factory) -> Path:
-    """The tiny embedded dataset's 32 x 32 JPEGs (four classes), in a tree the FFCV loader may write into."""
-    import shutil
+def cifar_pickles(tmp_path_factory) -> dict[str, Path]:
+    """Small CIFAR-10 (20 training images, 10 classes) and CIFAR-100-layout (16, 4 classes) python-pickle
+    directories, as the recipes read them (data.dataset=cifar)."""
+    from test_cifar import write_cifar10, write_cifar100
 
-    root = tmp_path_factory.mktemp("cifar") / "cifar"
-    for split in ("train", "val"):
-        shutil.copytree(tiny_dataset / split, root / split)
-    return root
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar10(root / "cifar-10-batches-py", per_batch=4)
+    write_cifar100(root / "cifar-100-python")
+    return {"cifar10": root / "cifar-10-batches-py", "cifar100": root / "cifar-100-python"}
 
 
-def tiny_overrides(name: str, root: Path, out_dir: Path) -> list[str]:
-    values = {"data.root": root, "data.batch_size": TINY_BATCH, "data.eval_batch_size": 8, "data.workers": 0,
-              "train.out_dir": out_dir, "train.run_name": name.replace("/", "-"), "train.max_steps": 2,
-              "train.log_interval": 1, "train.progress": "false", "train.device": "cpu",
+def training_images(name: str) -> int:
+    return 20 if name.startswith("cifar/cifar10_") else 16
+
+
+def tiny_overrides(name: str, data: Path | dict, out_dir: Path) -> list[str]:
+    values = {"data.batch_size": TINY_BATCH, "data.eval_batch_size": 8, "data.workers": 0,
+              "data.ffcv_write_workers": 1, "train.out_dir": out_dir, "train.run_name": name.replace("/", "-"),
+              "train.max_steps": 2, "train.log_interval": 1, "train.progress": "false", "train.device": "cpu",
               "anchor.inference_references": 4}
+    if name.startswith("cifar/"):  # the pickles, decoded once per dataset into a tree beside them
+        kind = name.split("/")[1].split("_")[0]
+        values.update({"data.cifar_dir": data[kind], "data.root": data[kind].parent / f"{kind}-tree"})
+    else:
+        values["data.root"] = data
     if name.startswith("imagenet/rn"):  # FFCV ResNets: evaluation at 64 px, progressive resizing 32 -> 48 px
         values.update({"data.image_size": 64, "data.resolution_start": 32, "data.resolution_end": 48,
                        "data.resolution_step": 16})
@@ -75,10 +86,9 @@ def expected_lr(config, step: int, steps_per_epoch: int) -> float:
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_every_recipe_trains_two_steps_on_a_tiny_dataset_of_its_shape(name, imagenet_shaped, cifar_shaped, tmp_path):
+def test_every_recipe_trains_two_steps_on_a_tiny_dataset_of_its_shape(name, imagenet_shaped, cifar_pickles, tmp_path):
     recipe = load_recipe(name)  # loads and validates, and its `about` has what the tables need
-    root = cifar_shaped if name.startswith("cifar/") else imagenet_shaped
-    overrides = tiny_overrides(name, root, tmp_path)
+    overrides = tiny_overrides(name, cifar_pickles if name.startswith("cifar/") else imagenet_shaped, tmp_path)
     result = run_main("train", "--config", name, *overrides)
     assert result.returncode == 0, result.stderr
     run = tmp_path / name.replace("/", "-")
@@ -88,7 +98,7 @@ def test_every_recipe_trains_two_steps_on_a_tiny_dataset_of_its_shape(name, imag
     written = load_config(str(run / "config.yaml"))
     assert written.model.name == recipe.config.model.name and written.data.loader == recipe.config.data.loader
     assert written.anchor.enabled == recipe.config.anchor.enabled
-    steps_per_epoch = (48 if name.startswith("cifar/") else 16) // TINY_BATCH
+    steps_per_epoch = training_images(name) // TINY_BATCH
     for record in steps:
         assert record["lr"] == pytest.approx(expected_lr(recipe.config, record["step"], steps_per_epoch), rel=1e-9)
 
@@ -178,6 +188,9 @@ def test_commands_keep_the_published_global_batch():
     assert (batch_for(rn18.config, 1), batch_for(rn18.config, 8)) == (1024, 128)
     assert launch_command(rn18, 8) == ("torchrun --standalone --nproc_per_node 8 -m fastanchor train --config "
                                        "imagenet/rn18_16_epochs --set data.root=/path/to/imagenet --set data.batch_size=128")
+    cifar = load_recipe("cifar/cifar100_wrn40_2")
+    assert launch_command(cifar, 1) == ("fastanchor train --config cifar/cifar100_wrn40_2 "
+                                        "--set data.cifar_dir=/path/to/cifar-100-python")
     rn50 = load_recipe("imagenet/rn50_24_epochs")  # published on 8 GPUs x 512: one GPU keeps 512 (lr scaled to 1.7 / 8)
     assert launch_command(rn50, 1) == "fastanchor train --config imagenet/rn50_24_epochs --set data.root=/path/to/imagenet"
 
