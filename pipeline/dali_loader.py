@@ -23,7 +23,6 @@ What differs from the other loaders (see also DALILoader's docstring):
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -237,9 +236,7 @@ class DALILoader:
             seed=augmentation_seed(self.seed, epoch, self.shard_id), prefetch_queue_depth=self.prefetch,
         )
         try:
-            with warnings.catch_warnings():  # auto_aug still calls operators DALI has renamed
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pipe.build()
+            pipe.build()
         except RuntimeError as error:
             raise DataError(f"DALI cannot read the images under '{self.index.root}': {_first_line(error)}") from None
         return pipe

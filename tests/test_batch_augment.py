@@ -192,3 +192,59 @@ def test_timm_no_weight_decay_parameters_are_exempt():
     assert id(model.pos_embed) in exempt_ids and id(model.cls_token) in exempt_ids
     assert id(model.patch_embed.proj.weight) not in exempt_ids and decay["weight_decay"] == 0.05
     assert math.isclose(exempt["weight_decay"], 0.0)
+
+
+def windows_of(source: np.ndarray, padding: int) -> np.ndarray:
+    """Every 32 x 32 window of the source image (and of its mirror) padded with `padding` black pixels: [N, H, W, 3]."""
+    views = []
+    for image in (source, source[:, ::-1]):
+        padded = np.pad(image, ((padding, padding), (padding, padding), (0, 0)))
+        found = np.lib.stride_tricks.sliding_window_view(padded, image.shape[:2], axis=(0, 1))  # [dy, dx, 3, H, W]
+        views.append(found.transpose(0, 1, 3, 4, 2).reshape(-1, *image.shape))
+    return np.concatenate(views)
+
+
+@pytest.mark.parametrize("loader", ["torchvision", "ffcv", "dali"])
+def test_padded_crop_is_a_shift_of_the_image_or_its_mirror_in_a_black_frame(loader, tiny_dataset, tmp_path):
+    """CIFAR's crop through each loader: every training image equals one of the 2 x 81 shifted windows of one
+    source image (decoded by PIL; FFCV stores the raw pixels), and shifts other than zero do occur."""
+    import shutil
+
+    from fastanchor.pipeline.data import split_index, train_loader
+    from fastanchor.pipeline.torchvision_loader import load_rgb
+    from fastanchor.trainer.config import DataConfig
+
+    shutil.copytree(tiny_dataset / "train", tmp_path / "train")
+    data = DataConfig(dataset="folder", root=str(tmp_path), loader=loader, image_size=32, train_crop="padded",
+                      crop_padding=4, batch_size=8, workers=0, ffcv_compress_probability=0.0, ffcv_write_workers=1)
+    index = split_index(data, "train")
+    sources = [np.asarray(load_rgb(path)) for path, _ in index.samples]
+    candidates = np.stack([windows_of(source, 4) for source in sources])  # [images, 162, 32, 32, 3]
+    images, _ = next(iter(train_loader(data, index, torch.device("cpu"), seed=0)))
+    shifted = []
+    for out in images.permute(0, 2, 3, 1).numpy():
+        matches = (candidates == out).all(axis=(2, 3, 4))  # [images, 162]
+        assert matches.any(), "an output that is no shift of any source image"
+        shifted.append(not matches[:, [40, 81 + 40]].any())  # window 40 of 81: no shift, plain or mirrored
+    assert any(shifted)
+
+
+@pytest.mark.parametrize("policy", ["autoaugment", "randaugment", "trivialaugment_wide"])
+def test_dali_policies_change_images_per_sample(policy, tiny_dataset):
+    """DALI's auto_aug in the loader: with no policy every image is its source or its mirror; with one, some are not."""
+    from fastanchor.pipeline.dali_loader import DALILoader
+    from fastanchor.pipeline.imagefolder import scan_image_folder
+    from fastanchor.pipeline.torchvision_loader import load_rgb
+
+    index = scan_image_folder(tiny_dataset / "train")
+    sources = np.stack([np.asarray(load_rgb(path)) for path, _ in index.samples])
+    plain_or_mirrored = np.concatenate([sources, sources[:, :, ::-1]])
+
+    def untouched(policy_name: str) -> list[bool]:
+        loader = DALILoader(index, batch_size=16, train=True, image_size=32, crop="padded", padding=0,
+                            policy=policy_name, workers=1, device="cpu", seed=0, drop_last=True)
+        images, _ = next(iter(loader))
+        return [bool((plain_or_mirrored == out).all(axis=(1, 2, 3)).any()) for out in images.permute(0, 2, 3, 1).numpy()]
+
+    assert all(untouched("none"))
+    assert not all(untouched(policy))
