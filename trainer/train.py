@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import json
 import random
 import time
@@ -63,11 +64,11 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weights only: norms, biases (every parameter with ndim <= 1) are exempt, and so
     are the parameters a timm model lists in `no_weight_decay()` (position embeddings, class tokens,
     relative-position tables: torchvision's --transformer-embedding-decay 0)."""
-    listed = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    listed = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()  # names or fnmatch patterns
     decay, exempt = [], []
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            no_decay = parameter.ndim <= 1 or name in listed or name.rpartition(".")[2] in listed
+            no_decay = parameter.ndim <= 1 or any(fnmatch.fnmatch(name, pattern) for pattern in listed)
             (exempt if no_decay else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 
