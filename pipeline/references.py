@@ -44,6 +44,13 @@ class ReferenceSource:
     def observe(self, images: torch.Tensor) -> None:
         """Called after pairing, with the batch just used."""
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to draw the same references (tensors on the CPU); {} when stateless."""
+        return {}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Restore `state_dict()`'s contents onto `device`."""
+
 
 class InBatchDerangement(ReferenceSource):
     def pair(self, images, generator):
@@ -81,6 +88,17 @@ class ReferenceBank(ReferenceSource):
         self.images[slots.to(images.device)] = batch
         self.cursor = (self.cursor + n) % self.capacity
         self.filled = min(self.capacity, self.filled + n)
+
+    def state_dict(self) -> dict:
+        images = None if self.images is None else self.images.cpu()
+        return {"images": images, "filled": self.filled, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        images = state["images"]
+        if images is not None and images.shape[0] != self.capacity:
+            raise ValueError(f"a saved reference bank of {images.shape[0]} images does not fit a bank of {self.capacity}")
+        self.images = None if images is None else images.to(device).contiguous(memory_format=torch.channels_last)
+        self.filled, self.cursor = int(state["filled"]), int(state["cursor"])
 
 
 class FixedReferenceSet(ReferenceSource):
