@@ -137,10 +137,11 @@ def soak(loader_name: str, args: argparse.Namespace) -> dict:
         epoch += 1
     bar.close()
     seconds = time.perf_counter() - started
+    steps_per_epoch = len(loader)
     del stage, loader, model, optimizer
     gc.collect()
     steps = [s["step"] for s in samples]
-    result = {"samples": samples, "epochs": epoch, "steps_per_epoch": -(-step // max(epoch, 1)),
+    result = {"samples": samples, "epochs": epoch, "steps_per_epoch": steps_per_epoch,
               "images_per_s": step * args.batch_size / seconds}
     for key in MEASURES:
         values = [s[key] for s in samples]
@@ -162,12 +163,15 @@ def available_loaders() -> list[str]:
 
 
 def versions() -> dict:
-    found = {"python": platform.python_version(), "torch": torch.__version__}
-    for module in ("torchvision", "ffcv", "numba", "nvidia.dali", "timm", "numpy"):
-        try:
-            found[module] = __import__(module, fromlist=["__version__"]).__version__
-        except (ImportError, AttributeError):
-            pass
+    """Installed versions (package metadata: FFCV's own __version__ is stale)."""
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    wanted = ("torch", "torchvision", "ffcv", "numba", "timm", "numpy", "pillow")
+    for distribution in metadata.distributions():
+        name = (distribution.metadata["Name"] or "").lower()
+        if name in wanted or name.startswith("nvidia-dali"):
+            found[name] = distribution.version
     try:
         found["fastanchor_commit"] = subprocess.run(["git", "-C", str(REPOSITORY), "rev-parse", "HEAD"], capture_output=True,
                                                     text=True, check=True).stdout.strip()

@@ -1,7 +1,10 @@
 """The training loop, top to bottom: data -> anchoring stage -> model -> loss -> step -> metrics.
 
 Standard and anchored training run through the same code; `anchor.enabled` decides whether the
-on-device stage builds [r, x - r] (6 channels) or only normalises (3 channels).
+on-device stage builds [r, x - r] (6 channels) or only normalises (3 channels). The loss stays on
+the device between log steps (`LossWindow`): no sync per step. Every checkpoint (end of epoch, and
+every `train.checkpoint_interval` steps) resumes exactly (`resume.py`); under torchrun each
+process trains on its shard of the data and rank 0 writes (`distributed.py`).
 """
 
 from __future__ import annotations
