@@ -214,13 +214,14 @@ def train(config: Config, resume: str | None = None) -> Path:
     (or starts it when it has none); a checkpoint path resumes the run it belongs to from there.
     Under torchrun every process runs this on its shard of the data; only rank 0 writes files.
     """
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     processes, device = start_processes(resolve_device(config.train.device))
     try:
         return run_training(config, resume, processes, device)
-    finally:
+    finally:  # leave the process as it was (train() also runs inside other programs and tests)
         stop_processes(processes)
         torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
 
 
 def run_training(config: Config, resume: str | None, processes: Processes, device: torch.device) -> Path:
