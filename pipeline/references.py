@@ -95,8 +95,8 @@ class ReferenceBank(ReferenceSource):
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         images = state["images"]
-        if images is not None and images.shape[0] != self.capacity:
-            raise ValueError(f"a saved reference bank of {images.shape[0]} images does not fit a bank of {self.capacity}")
+        if images is not None and images.shape[0] < self.capacity:
+            raise ValueError(f"a saved reference bank of {images.shape[0]} slots cannot hold a bank of {self.capacity}")
         self.images = None if images is None else images.to(device).contiguous(memory_format=torch.channels_last)
         self.filled, self.cursor = int(state["filled"]), int(state["cursor"])
 

@@ -177,7 +177,7 @@ CASES = {
                                         "was written by 2 training process(es), this run has 1"),
     "resume: config differs": Case(lambda w, d: ["train", "--resume", "auto", *train(w, d, **EARLIER, **{"data.batch_size": 8})[1:]],
                                    "--resume: data.batch_size = 8 differs from 16 in checkpoint '{w}/runs/earlier/checkpoints/epoch_001.pt'"),
-    "resume: PATH with another batch": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / "epoch_001_step_00000001.pt",
+    "resume: PATH with another batch": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / checkpoint_name(1, 1, False),
                                                           "--set", "data.batch_size=8"], "--resume: data.batch_size = 8 differs from 16"),
     "resume auto without a run name": Case(lambda w, d: ["train", "--resume", "auto", *train(w, d)[1:]], "--resume auto needs train.run_name"),
     "resume PATH with --config": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / "epoch_001.pt", "--config", "demo"],

@@ -120,13 +120,13 @@ def test_a_save_killed_at_a_random_moment_leaves_the_previous_checkpoint_loadabl
 def test_checkpoint_names_sort_in_run_order_and_pruning_keeps_the_newest(tmp_path):
     names = [checkpoint_name(1, 2, False), checkpoint_name(1, 5, False), checkpoint_name(1, 6, True),
              checkpoint_name(2, 7, False), checkpoint_name(2, 12, True), checkpoint_name(10, 100, True)]
-    assert names[:3] == ["epoch_001_step_00000002.pt", "epoch_001_step_00000005.pt", "epoch_001.pt"]
+    assert names[:3] == ["mid_epoch_001_step_00000002.pt", "mid_epoch_001_step_00000005.pt", "epoch_001.pt"]
     for name in reversed(names):
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / ".epoch_011.pt.abc.tmp").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_bytes(b"")
     assert [p.name for p in list_checkpoints(tmp_path)] == names
-    assert run_order("final.pt") is None
+    assert run_order("final.pt") is None and run_order("epoch_001_step_00000002.pt") is None
     assert [p.name for p in prune_checkpoints(tmp_path, 2)] == names[:4]
     assert [p.name for p in list_checkpoints(tmp_path)] == names[4:]
     assert [p.name for p in remove_temporaries(tmp_path)] == [".epoch_011.pt.abc.tmp"]

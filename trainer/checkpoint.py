@@ -8,8 +8,8 @@ Loading: `torch.load(weights_only=True)`, so a file crafted to run code when unp
 before anything in it runs.
 
 Names, in run order (what `list_checkpoints` sorts by):
-  epoch_002_step_00000130.pt   written mid-epoch, during epoch 2, after global step 130
-  epoch_002.pt                 written at the end of epoch 2
+  mid_epoch_002_step_00000130.pt   written during epoch 2, after global step 130
+  epoch_002.pt                     written at the end of epoch 2 (`epoch_*.pt`: one per epoch, as before)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from fastanchor.trainer.errors import CheckpointError
 
 FORMAT = "fastanchor-checkpoint-v1"
-_NAME = re.compile(r"^epoch_(\d{3,})(?:_step_(\d{8,}))?\.pt$")
+_NAME = re.compile(r"^(mid_)?epoch_(\d{3,})(?:_step_(\d{8,}))?\.pt$")
 SUPERSEDED = "superseded"
 
 
@@ -95,16 +95,16 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
 
 def checkpoint_name(epoch: int, step: int, end_of_epoch: bool) -> str:
     """File name of the checkpoint written during (1-based) `epoch` after global `step`."""
-    return f"epoch_{epoch:03d}.pt" if end_of_epoch else f"epoch_{epoch:03d}_step_{step:08d}.pt"
+    return f"epoch_{epoch:03d}.pt" if end_of_epoch else f"mid_epoch_{epoch:03d}_step_{step:08d}.pt"
 
 
 def run_order(name: str) -> tuple[int, int, int] | None:
     """Sort key of a checkpoint file name (None for any other file): mid-epoch ones by step, then the epoch's end."""
     found = _NAME.match(name)
-    if found is None:
+    if found is None or (found.group(1) is None) != (found.group(3) is None):
         return None
-    epoch, step = found.groups()
-    return (int(epoch), 0, int(step)) if step is not None else (int(epoch), 1, 0)
+    mid, epoch, step = found.groups()
+    return (int(epoch), 0, int(step)) if mid else (int(epoch), 1, 0)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

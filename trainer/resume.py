@@ -5,7 +5,7 @@ checkpoint (or starts it when it has none yet: the same command serves a first s
 restart of a preempted job); `--resume PATH` resumes the run PATH belongs to from PATH, with the
 config saved in it. A resumed run continues exactly where the checkpoint was written: the
 weights it ends with are bitwise those of an uninterrupted run on the same machine and software.
-Only options that cannot change the result may differ from the checkpoint's (`CHANGEABLE`).
+Only options that cannot change the weights may differ from the checkpoint's (`changeable`).
 """
 
 from __future__ import annotations
@@ -46,13 +46,18 @@ def _flat(config: dict) -> dict:
     return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
 
 
+def changeable(key: str) -> bool:
+    """Options a resumed run may change: where files are, how fast, what is shown, and evaluation."""
+    return key in CHANGEABLE or key.startswith("eval.")
+
+
 def check_same_run(checkpoint_config: dict, config: Config, path: Path) -> None:
-    """Raise ConfigError naming the first option (outside CHANGEABLE) whose value differs from the checkpoint's."""
+    """Raise ConfigError naming the first option (not `changeable`) whose value differs from the checkpoint's."""
     saved = _flat(config_from_dict(checkpoint_config).to_dict())
     for key, value in _flat(config.to_dict()).items():
-        if key not in CHANGEABLE and saved.get(key) != value:
+        if not changeable(key) and saved.get(key) != value:
             raise ConfigError(f"--resume: {key} = {value!r} differs from {saved.get(key)!r} in checkpoint '{path}': "
-                              f"a resumed run keeps its config (only {', '.join(CHANGEABLE)} may change)")
+                              f"a resumed run keeps its config (only {', '.join(CHANGEABLE)} and eval.* may change)")
 
 
 def resumable(path: Path) -> ResumePoint:
