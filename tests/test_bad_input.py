@@ -88,8 +88,6 @@ def workspace(tiny_dataset, tmp_path_factory):
     copy_dataset(tiny_dataset, w / "zero", lambda d: (first_class(d) / "empty.jpg").write_bytes(b""))
     victim = sorted((copy_dataset(tiny_dataset, w / "truncated") / "val").rglob("*.jpg"))[0]
     victim.write_bytes(victim.read_bytes()[:40])  # a valid JPEG header, then nothing
-    (copy_dataset(tiny_dataset, w / "ffcv") / "ffcv").mkdir()
-    (w / "ffcv" / "ffcv" / "train.beton").write_bytes(b"\x00" * 100)
 
     files = w / "files"
     files.mkdir()
@@ -157,8 +155,6 @@ CASES = {
     "truncated JPEG, found when decoded": Case(
         lambda w, d: train(w, d, **folder(w / "truncated"), **{"train.run_name": "trunc", "data.workers": 1}),
         "cannot decode image '{truncated}'", writes=True),
-    "damaged FFCV file": Case(lambda w, d: train(w, d, **folder(w / "ffcv"), **{"data.loader": "ffcv"}),
-                              "FFCV dataset file '{w}/ffcv/ffcv/train.beton' is not an FFCV .beton of format version 2"),
     # --- checkpoint files ---
     "evaluate: missing checkpoint": Case(lambda w, d: ["evaluate", "--checkpoint", w / "missing.pt"], "checkpoint '{w}/missing.pt' does not exist"),
     "evaluate: not a checkpoint": Case(lambda w, d: ["evaluate", "--checkpoint", w / "files" / "garbage.pt"], "checkpoint '{w}/files/garbage.pt' is damaged or not a torch checkpoint"),
