@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from pathlib import Path
 
@@ -103,30 +104,38 @@ def check_loader_supports(config: Config) -> None:
                           f"{_LOADER_POLICY_NOTES[loader]}")
 
 
-def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *, policy: str = "none"):
-    """The training loader; `policy` is augment.auto_augment (see check_loader_supports)."""
+def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
+                 rank: int = 0, world_size: int = 1, policy: str = "none"):
+    """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
+    `policy` is augment.auto_augment (see check_loader_supports)."""
     if data.loader == "ffcv":
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
                           min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
-                          order=data.ffcv_order, os_cache=data.ffcv_os_cache)
+                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
     if data.loader == "dali":
         from fastanchor.pipeline.dali_loader import DALILoader
 
         return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
                           crop=data.train_crop, padding=data.crop_padding, policy=policy,
-                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
+                          shard_id=rank, num_shards=world_size)
     transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
                                            padding=data.crop_padding, policy=policy)
     dataset = DecodedImages(index, transform_for_size(data.image_size))
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
-                             workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size)
+                             workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,
+                             rank=rank, world_size=world_size)
 
 
-def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None):
-    """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path)."""
+def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
+                *, rank: int = 0, world_size: int = 1):
+    """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path).
+
+    With `world_size` > 1 the torchvision loader reads every image exactly once over all processes
+    (sum the counts); FFCV's distributed mode pads shards with repeats, so there every process reads all."""
     if data.loader == "ffcv" and corruption is None:
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
@@ -137,10 +146,30 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
         from fastanchor.pipeline.dali_loader import DALILoader
 
         return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
-                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
+                          shard_id=rank, num_shards=world_size)
     dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
     return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=data.workers, device=device)
+                             workers=data.workers, device=device, rank=rank, world_size=world_size)
+
+
+def evaluation_is_sharded(loader) -> bool:
+    """Whether an eval loader built with world_size > 1 reads a disjoint shard (else every process reads all)."""
+    if isinstance(loader, TorchvisionLoader):
+        return loader.sampler.world_size > 1
+    return getattr(loader, "num_shards", 1) > 1  # DALI: every sample once over all shards
+
+
+def iterate_from(loader, first_batch: int):
+    """Iterate the loader's current epoch from batch `first_batch` on (resuming mid-epoch).
+
+    Loaders with `iter_from` skip without decoding; any other loader decodes and drops the first
+    batches, which gives the same batches when its order is a function of (seed, epoch)."""
+    if first_batch == 0:
+        return iter(loader)
+    if hasattr(loader, "iter_from"):
+        return loader.iter_from(first_batch)
+    return itertools.islice(iter(loader), first_batch, None)
 
 
 def reference_images(data: DataConfig, index: ImageFolderIndex, count: int, seed: int) -> torch.Tensor:

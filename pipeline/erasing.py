@@ -63,6 +63,13 @@ class RandomErasing:
         self.generator = torch.Generator().manual_seed(seed)
         self.fill = torch.tensor([round(m) for m in mean], dtype=torch.uint8)
 
+    def state_dict(self) -> dict:
+        """The generator's state: a resumed run erases the same boxes (trainer checkpoints)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         batch, _, height, width = images.shape
         boxes = erasing_boxes(batch, height, width, self.p, self.generator)

@@ -75,6 +75,13 @@ class BatchMixer:
         self.prob, self.switch_prob = prob, switch_prob
         self.rng = np.random.default_rng(seed)
 
+    def state_dict(self) -> dict:
+        """The generator's state: a resumed run draws the same mixes (trainer checkpoints)."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
     @property
     def enabled(self) -> bool:
         return (self.mixup_alpha > 0 or self.cutmix_alpha > 0) and self.prob > 0

@@ -56,6 +56,13 @@ class ReferenceSource:
             bank, slots = reserved
             bank[slots] = images
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to draw the same references (tensors on the CPU); {} when stateless."""
+        return {}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Restore `state_dict()`'s contents onto `device`."""
+
 
 class InBatchDerangement(ReferenceSource):
     def pair(self, images, generator):
@@ -132,6 +139,17 @@ class ReferenceBank(ReferenceSource):
         self.cursor = (self.cursor + batch) % self.slots
         self.filled = min(self.capacity, self.filled + batch)
         return self.images, slots
+
+    def state_dict(self) -> dict:
+        images = None if self.images is None else self.images.cpu()
+        return {"images": images, "filled": self.filled, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        images = state["images"]
+        if images is not None and images.shape[0] < self.capacity:
+            raise ValueError(f"a saved reference bank of {images.shape[0]} slots cannot hold a bank of {self.capacity}")
+        self.images = None if images is None else images.to(device).contiguous(memory_format=torch.channels_last)
+        self.filled, self.cursor = int(state["filled"]), int(state["cursor"])
 
 
 class FixedReferenceSet(ReferenceSource):

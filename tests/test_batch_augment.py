@@ -248,3 +248,26 @@ def test_dali_policies_change_images_per_sample(policy, tiny_dataset):
 
     assert all(untouched("none"))
     assert not all(untouched(policy))
+
+
+def test_resuming_mid_epoch_replays_the_same_mixes_and_erasures(tiny_dataset, tmp_path):
+    """The mixer's and the eraser's generators travel in the checkpoint: a run resumed from a mid-epoch
+    checkpoint ends with the weights of the uninterrupted run, bit for bit."""
+    import shutil
+
+    from conftest import run_main, tiny_overrides
+    from fastanchor.trainer.checkpoint import checkpoint_name
+
+    settings = {"data.batch_size": 8, "data.workers": 0, "train.epochs": 2, "train.threads": 1,
+                "train.deterministic": "true", "train.checkpoint_interval": 1, "optim.name": "sgd",
+                "anchor.alpha": 0.5, "anchor.mask_level": "sample", "augment.mixup_alpha": 0.4,
+                "augment.cutmix_alpha": 1.0, "augment.random_erasing": 0.5, "train.run_name": "whole"}
+    whole = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **settings))
+    assert whole.returncode == 0, whole.stderr
+    shutil.copytree(tmp_path / "whole", tmp_path / "again", symlinks=True)
+    resumed = run_main("train", "--resume", tmp_path / "again" / "checkpoints" / checkpoint_name(1, 3, False),
+                       "--set", "train.progress=false")
+    assert resumed.returncode == 0, resumed.stderr
+    expected = torch.load(tmp_path / "whole" / "final.pt", weights_only=True)["model"]
+    got = torch.load(tmp_path / "again" / "final.pt", weights_only=True)["model"]
+    assert all(torch.equal(expected[key], got[key]) for key in expected)

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from fastanchor.trainer.config import describe_options
-from fastanchor.trainer.errors import FastAnchorError
+from fastanchor.trainer.errors import ConfigError, FastAnchorError
 
 CONFIG_HELP = "recipe: a name under configs/ (e.g. demo) or a YAML file"
 SET_HELP = "override one option, e.g. --set anchor.alpha=0.25 (repeatable; all options listed below)"
 CHECKPOINT_SET_HELP = "override one option of the checkpoint's config, e.g. --set data.workers=0 (repeatable)"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (naming the command's --help) and exit status 2, like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"fastanchor: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, default_recipe: str | None = "demo") -> None:
@@ -24,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     options = ("options (section.key = built-in default; a recipe given by --config sets its own values, "
                "--set overrides both):\n" + describe_options())
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="fastanchor", description="Anchored training of vision models.",
-                                     formatter_class=formatter)
+    parser = OneLineErrorParser(prog="fastanchor", description="Anchored training of vision models.",
+                                formatter_class=formatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     prepare = commands.add_parser(
@@ -43,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a standard or anchored model", epilog=options, formatter_class=formatter)
     _add_config_arguments(train)
+    train.set_defaults(config=None)  # None: demo, unless --resume PATH brings the run's own config
+    train.add_argument("--resume", metavar="PATH|auto", default=None,
+                       help="continue a run exactly where a checkpoint left off: PATH resumes the run that checkpoint "
+                            "belongs to, with its config (--set may change only options that cannot alter the result, "
+                            "e.g. train.progress, data.workers); auto resumes <train.out_dir>/<train.run_name> from its "
+                            "newest checkpoint, or starts it when it has none (the same command for every restart)")
 
     evaluate = commands.add_parser(
         "evaluate", help="evaluate a checkpoint: inference protocols, generalisation, calibration, anomaly rejection",
@@ -164,15 +178,22 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{split}: {ensure_beton(d, index, progress=config.train.progress)} ({len(index)} images; "
                       f"report {report_path})")
     elif args.command == "train":
+        from fastanchor.trainer.resume import resume_config
         from fastanchor.trainer.train import train
 
-        config = load_config(args.config, args.overrides)
-        run_dir = train(config)
-        if not (run_dir / "final.pt").exists():  # train.max_steps stopped it first
-            print(f"stopped after train.max_steps = {config.train.max_steps} steps: {run_dir} holds metrics.jsonl and "
-                  f"config.yaml, no checkpoint")
+        if args.resume not in (None, "auto"):
+            if args.config is not None:
+                raise ConfigError("--config cannot be combined with --resume PATH: the run's config comes from its checkpoint")
+            config = resume_config(args.resume, args.overrides)
         else:
-            print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
+            config = load_config(args.config or "demo", args.overrides)
+        run_dir = train(config, resume=args.resume)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, the main process speaks for all
+            if (run_dir / "final.pt").exists():
+                print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
+            else:  # train.max_steps stopped it first
+                print(f"stopped after train.max_steps = {config.train.max_steps} steps: {run_dir} holds "
+                      f"metrics.jsonl and config.yaml, no checkpoint")
     elif args.command == "evaluate":
         from fastanchor.trainer.evaluate import evaluate_checkpoint
 

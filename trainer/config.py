@@ -135,8 +135,13 @@ class TrainConfig:
     threads: int = _opt(0, "torch CPU threads (0 keeps torch's default)")
     out_dir: str = _opt("runs", "directory under which the run directory is created")
     run_name: str = _opt("", "run directory name under out_dir (default: <model>-<standard|anchored>-<time>)")
-    log_interval: int = _opt(20, "steps between metric lines in metrics.jsonl")
+    log_interval: int = _opt(20, "steps between metric lines in metrics.jsonl; the loss is read from the device (and checked for nan/inf) only at these steps")
     progress: bool = _opt(True, "show progress bars with images/s")
+    checkpoint_interval: int = _opt(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch); any checkpoint resumes exactly (--resume)")
+    keep_checkpoints: int = _opt(0, "newest checkpoints kept in <run>/checkpoints, mid-epoch and end-of-epoch alike; older ones are deleted (0 keeps all)")
+    nonfinite: str = _opt("stop", "on a nan/inf loss: stop the run naming the step (the last good checkpoint is kept), or skip that step's update (one device sync per step; skipped steps are counted in metrics.jsonl)", choices=("stop", "skip"))
+    deterministic: bool = _opt(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off): bitwise-reproducible runs and resumes on the same machine, slower on GPU")
+    sync_bn: bool = _opt(False, "under torchrun with several processes on CUDA: synchronise BatchNorm statistics across processes (SyncBatchNorm)")
     max_steps: int = _opt(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch); smoke-tests a recipe end to end")
 
 
@@ -217,6 +222,11 @@ def _coerce(key: str, value, f: dataclasses.Field, section_cls: type):
     elif origin is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif origin is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -411,6 +421,8 @@ def validate(config: Config) -> None:
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas = {o.betas}: expected two values in [0, 1)")
     _check(t.epochs >= 1, f"train.epochs = {t.epochs}: expected >= 1")
     _check(t.log_interval >= 1, f"train.log_interval = {t.log_interval}: expected >= 1")
+    _check(t.checkpoint_interval >= 0, f"train.checkpoint_interval = {t.checkpoint_interval}: expected >= 0 steps (0: end of epoch only)")
+    _check(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints}: expected >= 0 (0 keeps all)")
     _check(t.max_steps >= 0, f"train.max_steps = {t.max_steps}: expected >= 0 (0: train every epoch)")
     _check(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
            f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")
