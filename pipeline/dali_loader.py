@@ -63,7 +63,10 @@ class DALILoader:
     Train: random-resized-crop fused into the decoder (`decoders.image_random_crop`: only the
     crop's region is decoded where the format allows) with area scale in [min_scale, 1] and aspect
     ratio in [3/4, 4/3] (torchvision's defaults, 10 attempts), resized to s x s (antialiased
-    linear), horizontal flip with probability 1/2. Eval: shorter side resized to
+    linear), horizontal flip with probability 1/2. `crop="padded"` (CIFAR's) instead decodes the
+    whole image, resizes it to s x s and, after the flip, shifts it by up to `padding` pixels each
+    way inside a black frame. `policy` (autoaugment, randaugment, trivialaugment_wide) then applies
+    DALI's `auto_aug` per sample (see `apply_policy`); DALI has no AugMix. Eval: shorter side resized to
     round(s / crop_ratio), centre crop s x s, exactly torchvision's `eval_transform` geometry.
 
     Order: train shuffles with a permutation of (seed, epoch), the same on every shard; eval reads
@@ -95,6 +98,9 @@ class DALILoader:
         image_size: int,
         crop_ratio: float = 0.875,
         min_scale: float = 0.35,
+        crop: str = "random_resized",
+        padding: int = 4,
+        policy: str = "none",
         workers: int,
         device: torch.device | str,
         seed: int = 0,
@@ -128,6 +134,13 @@ class DALILoader:
         self.image_size = image_size
         self.crop_ratio = crop_ratio
         self.min_scale = min_scale
+        if crop not in ("random_resized", "padded"):
+            raise ConfigError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
+        if policy not in DALI_POLICIES:
+            raise ConfigError(f"policy = {policy!r}: DALI's auto_aug offers {', '.join(DALI_POLICIES)}")
+        if not (isinstance(padding, int) and padding >= 0):
+            raise ConfigError(f"padding = {padding!r}: expected an integer >= 0")
+        self.crop, self.padding, self.policy = crop, padding, policy
         self.threads = max(1, workers)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -216,7 +229,7 @@ class DALILoader:
         labels = self.labels[listed].tolist()
         cuda = self.device.type == "cuda"
         graph = self._train_graph if self.train else self._eval_graph
-        build = pipeline_def(graph, enable_conditionals=False)
+        build = pipeline_def(graph, enable_conditionals=self.train and self.policy != "none")  # auto_aug branches per sample
         pipe = build(
             files, labels, "mixed" if cuda else "cpu", self.image_size,
             batch_size=self.batch_size, num_threads=self.threads, device_id=self.device.index if cuda else None,
@@ -240,11 +253,22 @@ class DALILoader:
         from nvidia.dali import fn, types
 
         encoded, labels = self._reader(files, labels)
-        images = fn.decoders.image_random_crop(
-            encoded, device=decoder, output_type=types.RGB, random_area=[self.min_scale, 1.0],
-            random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, adjust_orientation=False, jpeg_fancy_upsampling=True)
+        if self.crop == "padded":  # CIFAR's: the whole image at size x size, then shifted in a black frame below
+            images = fn.decoders.image(encoded, device=decoder, output_type=types.RGB, adjust_orientation=False,
+                                       jpeg_fancy_upsampling=True)
+        else:
+            images = fn.decoders.image_random_crop(
+                encoded, device=decoder, output_type=types.RGB, random_area=[self.min_scale, 1.0],
+                random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, adjust_orientation=False, jpeg_fancy_upsampling=True)
         images = fn.resize(images, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR, antialias=True)
         images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+        if self.policy != "none":
+            images = apply_policy(images, self.policy, size)
+        if self.crop == "padded" and self.padding:
+            shifts = [float(v) for v in range(-self.padding, self.padding + 1)]
+            start = fn.cast(fn.random.uniform(values=shifts, shape=2), dtype=types.INT32)  # (dy, dx)
+            images = fn.slice(images, start=start, shape=[size, size], axis_names="HW", out_of_bounds_policy="pad",
+                              fill_values=0)
         return images, labels.gpu() if decoder == "mixed" else labels
 
     def _eval_graph(self, files, labels, decoder: str, size: int):
@@ -278,6 +302,22 @@ class DALILoader:
         stop = min(len(order), start + self.batch_size)
         return DataError(f"DALI failed on batch {batch} (samples {start} to {stop - 1} of shard {self.shard_id}) "
                          f"under '{self.index.root}': {_first_line(error)}")
+
+
+DALI_POLICIES = ("none", "autoaugment", "randaugment", "trivialaugment_wide")
+
+
+def apply_policy(images, policy: str, size: int):
+    """DALI's auto_aug version of torchvision's policy (per sample, on the decoding device): the same
+    operations and magnitudes, translations up to 150/331 of the side (AutoAugment, RandAugment with
+    2 operations at magnitude 9 of 31 bins) or 32 pixels (TrivialAugment-wide), black fill as torchvision."""
+    from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
+
+    if policy == "autoaugment":
+        return auto_augment.auto_augment_image_net(images, shape=(size, size), fill_value=0, max_translate_rel=150 / 331)
+    if policy == "randaugment":
+        return rand_augment.rand_augment(images, n=2, m=9, shape=(size, size), fill_value=0, max_translate_rel=150 / 331)
+    return trivial_augment.trivial_augment_wide(images, fill_value=0, max_translate_abs=32)
 
 
 def _as_float(node):

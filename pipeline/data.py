@@ -19,7 +19,7 @@ from fastanchor.pipeline.torchvision_loader import (
     train_transform,
 )
 from fastanchor.trainer.config import Config, DataConfig
-from fastanchor.trainer.errors import DataError
+from fastanchor.trainer.errors import ConfigError, DataError
 
 
 def ensure_dataset(config: Config, progress: bool = True) -> Path:
@@ -84,22 +84,46 @@ def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = Tru
     return path
 
 
+# What each loader can do per image besides its crop and flip (checked once, at start-up).
+_LOADER_POLICIES = {
+    "torchvision": ("none", "autoaugment", "randaugment", "trivialaugment_wide", "augmix"),
+    "ffcv": ("none",),
+    "dali": ("none", "autoaugment", "randaugment", "trivialaugment_wide"),
+}
+_LOADER_POLICY_NOTES = {
+    "ffcv": "FFCV's pipeline only crops and flips; use data.loader=torchvision or dali",
+    "dali": "nvidia.dali.auto_aug has no AugMix; use data.loader=torchvision",
+}
+
+
+def check_loader_supports(config: Config) -> None:
+    """Refuse, with one line, a per-image augmentation the configured loader cannot do."""
+    loader, policy = config.data.loader, config.augment.auto_augment
+    if policy not in _LOADER_POLICIES.get(loader, (policy,)):
+        raise ConfigError(f"augment.auto_augment = {policy!r} is not supported by data.loader = {loader!r}: "
+                          f"{_LOADER_POLICY_NOTES[loader]}")
+
+
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
-                 rank: int = 0, world_size: int = 1):
-    """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch."""
+                 rank: int = 0, world_size: int = 1, policy: str = "none"):
+    """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
+    `policy` is augment.auto_augment (see check_loader_supports)."""
     if data.loader == "ffcv":
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
-                          min_scale=data.min_scale, workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
+                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
                           order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
     if data.loader == "dali":
         from fastanchor.pipeline.dali_loader import DALILoader
 
         return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
+                          crop=data.train_crop, padding=data.crop_padding, policy=policy,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
                           shard_id=rank, num_shards=world_size)
-    transform_for_size = functools.partial(train_transform, min_scale=data.min_scale)
+    transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
+                                           padding=data.crop_padding, policy=policy)
     dataset = DecodedImages(index, transform_for_size(data.image_size))
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
                              workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,

@@ -28,12 +28,28 @@ class Corruption:
     seed: int = 0
 
 
-def train_transform(image_size: int, min_scale: float) -> v2.Transform:
-    return v2.Compose([
-        v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.PILToTensor(),
-    ])
+AUTO_AUGMENT_POLICIES = {
+    "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
+    "randaugment": v2.RandAugment,
+    "trivialaugment_wide": v2.TrivialAugmentWide,
+    "augmix": v2.AugMix,
+}
+
+
+def train_transform(image_size: int, min_scale: float, *, crop: str = "random_resized", padding: int = 4,
+                    policy: str = "none") -> v2.Transform:
+    """Crop (random-resized, or CIFAR's padded random crop), horizontal flip, then an optional
+    augmentation policy per image (torchvision's reference order), as a uint8 tensor."""
+    if crop == "random_resized":
+        cropping = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
+    elif crop == "padded":
+        cropping = v2.RandomCrop(image_size, padding=padding, fill=0)
+    else:
+        raise ValueError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
+    steps = [cropping, v2.RandomHorizontalFlip()]
+    if policy != "none":
+        steps.append(AUTO_AUGMENT_POLICIES[policy]())
+    return v2.Compose([*steps, v2.PILToTensor()])
 
 
 def eval_transform(image_size: int, crop_ratio: float) -> v2.Transform:

@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default="", help="output directory (default: report/ in the runs' common parent, or in the run)")
     report.add_argument("--title", default="fastanchor report", help="page title")
 
+    recipes = commands.add_parser(
+        "recipes", help="list the recipes under configs/ with the published results they aim at and their commands",
+        description="Prints the recipe tables (Markdown) generated from the recipe files: what each trains, the published "
+                    "result it aims at and its source, the commands for 1 and 8 GPUs, and measured throughput where a "
+                    "benchmark result names the recipe. A recipe runs by its name: fastanchor train --config NAME.")
+    recipes.add_argument("--readme", default="", metavar="README.md",
+                         help="rewrite the generated block between the recipe markers in this file instead of printing")
+
     demo = commands.add_parser("demo", help="train standard and anchored models on the embedded dataset and compare them",
                                epilog=options, formatter_class=formatter)
     _add_config_arguments(demo)
@@ -181,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
             config = load_config(args.config or "demo", args.overrides)
         run_dir = train(config, resume=args.resume)
         if os.environ.get("RANK", "0") == "0":  # under torchrun, the main process speaks for all
-            print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
+            if (run_dir / "final.pt").exists():
+                print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
+            else:  # train.max_steps stopped it first
+                print(f"stopped after train.max_steps = {config.train.max_steps} steps: {run_dir} holds "
+                      f"metrics.jsonl and config.yaml, no checkpoint")
     elif args.command == "evaluate":
         from fastanchor.trainer.evaluate import evaluate_checkpoint
 
@@ -212,6 +224,14 @@ def run(args: argparse.Namespace) -> int:
 
         paths = write_report([Path(r) for r in args.runs], Path(args.out) if args.out else None, args.title)
         print(f"report written: {paths['report.html']} and {paths['report.md']}")
+    elif args.command == "recipes":
+        from fastanchor.trainer.recipes import recipes_markdown, write_readme
+
+        if args.readme:
+            write_readme(Path(args.readme))
+            print(f"recipe tables written into {args.readme}")
+        else:
+            print(recipes_markdown(), end="")
     elif args.command == "demo":
         from fastanchor.trainer.demo import run_demo
 

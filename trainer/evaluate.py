@@ -194,14 +194,14 @@ class Evaluator:
     def references_protocol(self, num_references: int):
         generator = self.generator()
         return lambda images: predict(self.model, images, anchored=self.anchored, references=self.references,
-                                      num_references=num_references, generator=generator)
+                                      num_references=num_references, generator=generator, flip=self.config.eval.flip_tta)
 
     def blt_protocol(self):
         e = self.config.eval
         blt = BilinearTransduction(self.references, num_residuals=e.blt_residuals, num_candidates=e.blt_candidates,
                                    generator=self.generator())
         generator = self.generator()
-        return lambda images: blt.predict(self.model, images, generator)
+        return lambda images: blt.predict(self.model, images, generator, flip=self.config.eval.flip_tta)
 
     def run(self, protocol, loader, desc: str, tap: PenultimateTap | None = None) -> Outputs:
         return run_protocol(protocol, loader, desc=desc, progress=self.progress, tap=tap)

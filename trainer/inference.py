@@ -41,14 +41,16 @@ def predict(
     mean=None,
     std=None,
     dtype: torch.dtype = torch.float32,
+    flip: bool = False,
 ) -> Prediction:
-    """uint8 images [B, 3, H, W] on the model's device -> Prediction."""
+    """uint8 images [B, 3, H, W] on the model's device -> Prediction; `flip`: test-time
+    augmentation, each forward pass averaged with the pass on the mirrored input."""
     from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 
     mean = IMAGENET_MEAN_255 if mean is None else mean
     std = IMAGENET_STD_255 if std is None else std
     if not anchored:
-        logits = model(normalize(images, mean, std, dtype)).float()
+        logits = logits_of(model, normalize(images, mean, std, dtype), flip)
         probs = logits.softmax(-1)
         return Prediction(logits, probs, torch.zeros(images.shape[0], device=images.device))
     if references is None:
@@ -58,7 +60,7 @@ def predict(
     all_logits = []
     for _ in range(num_references):
         refs = references.references_for(images, generator)
-        all_logits.append(model(anchor(images, refs, unmasked, mean, std, dtype)).float())
+        all_logits.append(logits_of(model, anchor(images, refs, unmasked, mean, std, dtype), flip))
     stacked = torch.stack(all_logits)  # [K, B, C]
     probs_k = stacked.softmax(-1)
     probs = probs_k.mean(0)
@@ -66,6 +68,15 @@ def predict(
     picked = probs_k.gather(-1, predicted.view(1, -1, 1).expand(num_references, -1, 1)).squeeze(-1)
     spread = picked.std(0, unbiased=False) if num_references > 1 else torch.zeros_like(picked[0])
     return Prediction(stacked.mean(0), probs, spread)
+
+
+def logits_of(model: torch.nn.Module, inputs: torch.Tensor, flip: bool = False) -> torch.Tensor:
+    """float32 logits of the network input; with `flip`, the mean with those of its horizontal mirror
+    (FFCV's lr_tta; for an anchored input, the mirrored image anchored against the mirrored reference)."""
+    logits = model(inputs).float()
+    if flip:
+        logits = (logits + model(inputs.flip(-1)).float()) / 2
+    return logits
 
 
 class BilinearTransduction:
@@ -101,11 +112,11 @@ class BilinearTransduction:
 
     @torch.no_grad()
     def predict(self, model: torch.nn.Module, images: torch.Tensor, generator: torch.Generator,
-                dtype: torch.dtype = torch.float32) -> Prediction:
+                dtype: torch.dtype = torch.float32, flip: bool = False) -> Prediction:
         chosen = self.choose(images, generator)
         unmasked = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)
         inputs = anchor(images, self.references.images, unmasked, self.mean, self.std, dtype, reference_index=chosen)
-        logits = model(inputs).float()
+        logits = logits_of(model, inputs, flip)
         return Prediction(logits, logits.softmax(-1), torch.zeros(images.shape[0], device=images.device))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import json
 import os
 import random
@@ -33,6 +34,8 @@ from fastanchor.pipeline.data import (
     split_index,
     train_loader,
 )
+from fastanchor.pipeline.erasing import RandomErasing
+from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.checkpoint import (
@@ -61,7 +64,7 @@ from fastanchor.trainer.loss_window import LossWindow, finite_on_every_process, 
 from fastanchor.trainer.metrics import topk_correct
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.resume import ResumePoint, capture_rng, find_resume_point, restore_rng
-from fastanchor.trainer.schedule import lr_factor
+from fastanchor.trainer.schedule import lr_factor, peak_lr
 
 
 
@@ -90,20 +93,25 @@ def seed_everything(seed: int) -> None:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weights only: norms, biases (every parameter with ndim <= 1) are exempt."""
+    """Weight decay on weights only: norms, biases (every parameter with ndim <= 1) are exempt, and so
+    are the parameters a timm model lists in `no_weight_decay()` (position embeddings, class tokens,
+    relative-position tables: torchvision's --transformer-embedding-decay 0)."""
+    listed = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()  # names or fnmatch patterns
     decay, exempt = [], []
-    for parameter in model.parameters():
+    for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            (exempt if parameter.ndim <= 1 else decay).append(parameter)
+            no_decay = parameter.ndim <= 1 or any(fnmatch.fnmatch(name, pattern) for pattern in listed)
+            (exempt if no_decay else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, config: Config, world_size: int = 1) -> torch.optim.Optimizer:
     o = config.optim
     groups = parameter_groups(model, o.weight_decay)
+    lr = peak_lr(o, config.data.batch_size * world_size)
     if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas))
 
 
 def run_directory(config: Config, reuse: bool = False) -> Path:
@@ -124,7 +132,7 @@ def run_directory(config: Config, reuse: bool = False) -> Path:
 def build_model(config: Config, num_classes: int, device: torch.device) -> torch.nn.Module:
     model = create_model(config.model.name, num_classes, anchored=config.anchor.enabled,
                          pretrained=config.model.pretrained, image_size=config.data.image_size,
-                         drop_rate=config.model.drop_rate)
+                         drop_rate=config.model.drop_rate, blurpool=config.model.blurpool)
     model = model.to(device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -142,8 +150,9 @@ def make_deterministic() -> None:
 
 @torch.no_grad()
 def validate_top1(model, loader, *, anchored: bool, references: FixedReferenceSet | None, seed: int,
-                  dtype: torch.dtype | None, progress: bool, processes: Processes = Processes()) -> dict:
-    """Top-1/top-5 (%) over the loader; over all processes' shards when the loader is sharded."""
+                  dtype: torch.dtype | None, progress: bool, processes: Processes = Processes(), flip: bool = False) -> dict:
+    """Top-1/top-5 (%) over the loader; over all processes' shards when the loader is sharded;
+    `flip`: left-right test-time augmentation (eval.flip_tta)."""
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     correct = {1: 0, 5: 0}
@@ -151,7 +160,7 @@ def validate_top1(model, loader, *, anchored: bool, references: FixedReferenceSe
     autocast = torch.autocast(loader.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
     for images, labels in tqdm(loader, desc="validate", leave=False, disable=not progress, unit="batch"):
         with autocast:
-            prediction = predict(model, images, anchored=anchored, references=references, generator=generator)
+            prediction = predict(model, images, anchored=anchored, references=references, generator=generator, flip=flip)
         for k, hits in topk_correct(prediction.logits, labels).items():
             correct[k] += hits
         seen += labels.numel()
@@ -194,7 +203,8 @@ def link_final(run_dir: Path, checkpoint: Path) -> None:
     os.replace(link, run_dir / "final.pt")
 
 
-def restore_training_state(state: dict, rank: int, *, model, ema, optimizer, scheduler, scaler, stage, losses, device) -> None:
+def restore_training_state(state: dict, rank: int, *, model, ema, optimizer, scheduler, scaler, stage, mixer, losses,
+                           device) -> None:
     """Everything but the global random states (restored last, right before the loop)."""
     model.load_state_dict(state["raw_model"] if ema is not None else state["model"])
     if ema is not None:
@@ -204,6 +214,10 @@ def restore_training_state(state: dict, rank: int, *, model, ema, optimizer, sch
     scaler.load_state_dict(state["scaler"])
     mine = state["ranks"][rank]
     stage.generator.set_state(mine["anchoring_generator"])
+    if "mixer" in mine:  # checkpoints written before Mixup/CutMix and random erasing existed have neither
+        mixer.load_state_dict(mine["mixer"])
+        if stage.augment is not None:
+            stage.augment.load_state_dict(mine["erasing"])
     stage.references.load_state_dict(mine["references"], device)
     losses.load_state_dict(mine["loss_window"])
 
@@ -255,7 +269,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     val_index = split_index(config.data, config.data.val_split, train_index.classes)
     num_classes = len(train_index.classes)
     shard = {"rank": processes.rank, "world_size": processes.world_size}
-    loader = main_first(processes, lambda: train_loader(config.data, train_index, device, t.seed, **shard))
+    loader = main_first(processes, lambda: train_loader(config.data, train_index, device, t.seed,
+                                                        policy=config.augment.auto_augment, **shard))
     val_loader = main_first(processes, lambda: eval_loader(config.data, val_index, device, **shard))
     if len(loader) == 0:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is larger than the {len(train_index)} "
@@ -275,7 +290,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         if device.type != "cuda":
             raise ConfigError("train.sync_bn = true needs CUDA: torch's SyncBatchNorm has no CPU kernel")
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    optimizer = make_optimizer(model, config)
+    optimizer = make_optimizer(model, config, processes.world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step / steps_per_epoch, t.epochs, o))
     autocast_dtype = amp_dtype(t.amp, device)
@@ -283,16 +298,20 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     ema = copy.deepcopy(model).eval().requires_grad_(False) if o.ema_decay > 0 else None
     input_dtype = autocast_dtype or torch.float32
 
+    g = config.augment
+    augment_seed = int(np.random.SeedSequence([t.seed, processes.rank, 0x415547]).generate_state(1)[0])  # per rank
     stage = AnchoringStage(
         loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
-        device=device, dtype=input_dtype, seed=t.seed)  # the same seed on every rank: batch-level masks agree
+        device=device, dtype=input_dtype, seed=t.seed,  # the same seed on every rank: batch-level masks agree
+        augment=RandomErasing(g.random_erasing, seed=augment_seed) if g.random_erasing > 0 else None)
+    mixer = BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed)
     losses = LossWindow(device)
 
     first_epoch, first_batch, step, skipped = 0, 0, 0, 0
     if point is not None:
         restore_training_state(point.state, processes.rank, model=model, ema=ema, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, stage=stage, losses=losses, device=device)
+                               scaler=scaler, stage=stage, mixer=mixer, losses=losses, device=device)
         first_epoch, first_batch = point.state["epoch"], point.state["batch_in_epoch"]
         step, skipped = point.state["step"], point.state["skipped_steps"]
     step_model = model
@@ -343,7 +362,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                                 f"({len(bad)} tensor(s) do); {stop_message()}")
         ranks = gather_to_main(processes, {
             "rng": capture_rng(device), "anchoring_generator": stage.generator.get_state(),
-            "references": stage.references.state_dict(), "loss_window": losses.state_dict()})
+            "references": stage.references.state_dict(), "loss_window": losses.state_dict(),
+            "mixer": mixer.state_dict(), "erasing": stage.augment.state_dict() if stage.augment is not None else None})
         end_of_epoch = position == steps_per_epoch
         path = checkpoints / checkpoint_name(epoch + 1, step, end_of_epoch)
         if processes.main:
@@ -386,10 +406,11 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                        desc=f"epoch {epoch + 1}/{t.epochs}", disable=not show, unit="batch", dynamic_ncols=True)
             for images, labels in bar:
                 batch = stage.process(images, labels)
+                inputs, mix = mixer(batch.inputs, batch.masked)  # Mixup/CutMix on the device; masked stay masked
                 kept_buffers = [buffer.clone() for buffer in model.buffers()] if t.nonfinite == "skip" else None
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    logits = step_model(batch.inputs)
-                    loss = anchored_cross_entropy(logits, batch.labels, batch.masked,
+                    logits = step_model(inputs)
+                    loss = anchored_cross_entropy(logits, batch.labels, batch.masked, mix=mix,
                                                   label_smoothing=o.label_smoothing, masked_target=a.masked_target)
                 step += 1
                 position += 1
@@ -426,12 +447,15 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                 bar.set_postfix(loss=f"{shown_loss:.3f}", img_s=f"{images_per_s:.0f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 if t.checkpoint_interval and step % t.checkpoint_interval == 0 and position < steps_per_epoch:
                     save_state(epoch, position, {"step": step, "epoch": round(step / steps_per_epoch, 4)})
+                if step == t.max_steps:  # a smoke test of the recipe: no validation, no checkpoint
+                    return run_dir
 
             # --- per-epoch validation and checkpoint ----------------------------------------
             eval_model = ema if ema is not None else model
             broadcast_module_buffers(processes, eval_model)  # BatchNorm statistics: rank 0's everywhere
             val = validate_top1(eval_model, val_loader, anchored=a.enabled, references=inference_refs,
-                                seed=config.eval.seed, dtype=autocast_dtype, progress=show, processes=processes)
+                                seed=config.eval.seed, dtype=autocast_dtype, progress=show, processes=processes,
+                                flip=config.eval.flip_tta)
             record = {"epoch": epoch + 1, "step": step, "train_loss": losses.read_epoch(processes),
                       "train_images_per_s": processes.world_size * seen / (time.perf_counter() - started),
                       "skipped_steps": skipped, "resolution": resolution, "train_input_shape": input_shape, **val}
