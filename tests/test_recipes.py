@@ -74,7 +74,7 @@ def tiny_overrides(name: str, data: Path | dict, out_dir: Path) -> list[str]:
 
 def expected_lr(config, step: int, steps_per_epoch: int) -> float:
     """The rate after `step` steps, by hand from the recipe's numbers (not through trainer.schedule)."""
-    o, epochs = config.optim, config.train.epochs
+    o = config.optim
     peak = o.lr * TINY_BATCH / o.lr_batch
     epoch = step / steps_per_epoch
     if o.schedule == "linear_ramp":
