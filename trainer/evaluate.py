@@ -359,20 +359,21 @@ def severity_means(shift_results: dict) -> dict:
 
 
 def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_values: dict | None, bins: int) -> dict:
-    from fastanchor.trainer.eval_plots import accuracy_against_severity, ood_score_histograms, reliability_diagram
+    from fastanchor.trainer.plots import reliability_diagram, score_histogram_panels, severity_chart, write_png
 
     run_dir = run_directory_of(checkpoint)
     folder = run_dir / "plots" if result_path(checkpoint) == run_dir / "eval.json" else run_dir / "plots" / checkpoint.stem
     plots = {}
     groups = {name: tuple(np.concatenate(part) for part in zip(*pairs)) for name, pairs in reliability_groups.items()}
-    reliability_diagram(groups, folder / "reliability.png", bins)
+    write_png(folder / "reliability.png", reliability_diagram(groups, bins))
     plots["reliability"] = folder / "reliability.png"
     if ood_values is not None:
-        ood_score_histograms(ood_values["id"], ood_values["ood"], folder / "ood_scores.png")
+        write_png(folder / "ood_scores.png", score_histogram_panels(ood_values["id"], ood_values["ood"]))
         plots["ood_scores"] = folder / "ood_scores.png"
     if result["severity_mean_top1"]:
-        by_benchmark = {b: {int(s): v for s, v in by.items()} for b, by in result["severity_mean_top1"].items()}
-        accuracy_against_severity(result["id"]["top1"], by_benchmark, folder / "accuracy_vs_severity.png")
+        curves = {b: {0: result["id"]["top1"], **{int(s): v for s, v in by.items()}}
+                  for b, by in result["severity_mean_top1"].items()}
+        write_png(folder / "accuracy_vs_severity.png", severity_chart(curves, title="Accuracy under corruption"))
         plots["accuracy_vs_severity"] = folder / "accuracy_vs_severity.png"
     return {name: str(p.relative_to(run_dir)) for name, p in plots.items()}
 

@@ -81,15 +81,16 @@ def effective_robustness_chart(series: list[dict], baseline: dict, title: str = 
     return png_bytes(fig)
 
 
-def severity_chart(curves: dict[str, dict[int, float]], anchored: dict[str, bool]) -> bytes:
-    """Mean top-1 against corruption severity (0 = clean), one line per run."""
+def severity_chart(curves: dict[str, dict[int, float]], colours: list[str] | None = None,
+                   markers: list[str] | None = None, title: str = "accuracy vs severity") -> bytes:
+    """Mean top-1 against corruption severity (0 = clean), one line per curve."""
     fig = Figure(figsize=(5.5, 3.8))
     axis = fig.subplots()
-    for (label, curve), colour in zip(curves.items(), run_colours([anchored[k] for k in curves])):
+    for i, (label, curve) in enumerate(curves.items()):
         severities = sorted(curve)
-        axis.plot(severities, [curve[s] for s in severities], marker="o" if anchored[label] else "s", color=colour,
-                  label=label)
-    axis.set(xlabel="corruption severity (0 = clean)", ylabel="mean top-1 (%)", title="accuracy vs severity")
+        axis.plot(severities, [curve[s] for s in severities], marker=markers[i] if markers else "o",
+                  color=colours[i] if colours else None, label=label)
+    axis.set(xlabel="corruption severity (0 = clean)", ylabel="mean top-1 (%)", title=title, ylim=(0, 100))
     axis.set_xticks(range(6))
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
@@ -114,15 +115,63 @@ def grouped_bars(groups: list[str], values: dict[str, list[float | None]], ancho
     return png_bytes(fig)
 
 
-def score_histograms(id_scores: np.ndarray, ood_scores: dict[str, np.ndarray], title: str) -> bytes:
-    """Overlaid density histograms of an OOD score on ID data and on each OOD set."""
-    fig = Figure(figsize=(5.5, 3.6))
-    axis = fig.subplots()
+def draw_score_histogram(axis, id_scores: np.ndarray, ood_scores: dict[str, np.ndarray], title: str) -> None:
+    """Overlaid density histograms of one OOD score (higher = more ID) on ID data and on each OOD set."""
     everything = np.concatenate([np.ravel(id_scores)] + [np.ravel(v) for v in ood_scores.values()])
-    bins = np.histogram_bin_edges(everything[np.isfinite(everything)], bins=30)
+    finite = everything[np.isfinite(everything)]
+    low, high = finite.min(), finite.max()
+    bins = np.linspace(low, high if high > low else low + 1.0, 31)
     axis.hist(id_scores, bins=bins, density=True, alpha=0.55, color="#1f4e79", label="ID")
     for (name, values), colour in zip(ood_scores.items(), ANCHORED_COLOURS * 4):
-        axis.hist(values, bins=bins, density=True, alpha=0.45, color=colour, label=name)
-    axis.set(xlabel="score", ylabel="density", title=title)
-    axis.legend(fontsize=8)
+        axis.hist(values, bins=bins, density=True, histtype="step", linewidth=1.5, color=colour, label=name)
+    axis.set(xlabel="score (higher = more ID)", ylabel="density", title=title)
+    axis.legend(fontsize=7)
+
+
+def score_histograms(id_scores: np.ndarray, ood_scores: dict[str, np.ndarray], title: str) -> bytes:
+    """One score's histograms (the report: one figure per run and score)."""
+    fig = Figure(figsize=(5.5, 3.6))
+    draw_score_histogram(fig.subplots(), id_scores, ood_scores, title)
+    return png_bytes(fig)
+
+
+def score_histogram_panels(id_scores: dict[str, np.ndarray], ood_scores: dict[str, dict[str, np.ndarray]]) -> bytes:
+    """Every score's histograms, one panel each (the evaluation's ood_scores.png)."""
+    names = list(id_scores)
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig = Figure(figsize=(4.2 * cols, 3.0 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for axis in axes[len(names):]:
+        axis.set_visible(False)
+    for axis, score in zip(axes, names):
+        draw_score_histogram(axis, id_scores[score], {name: sets[score] for name, sets in ood_scores.items()}, score)
+    return png_bytes(fig)
+
+
+def reliability_diagram(groups: dict[str, tuple[np.ndarray, np.ndarray]], bins: int = 15) -> bytes:
+    """Smoothed reliability curves (at smECE's bandwidth) of each group of (confidences, outcomes), the
+    first group's binned accuracies as dots, and the confidence densities below."""
+    from fastanchor.trainer.metrics import binned_calibration_error, reliability_curve
+
+    fig = Figure(figsize=(5.5, 6.4))
+    curve_axis, density_axis = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    curve_axis.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
+    for i, (name, (confidence, outcome)) in enumerate(groups.items()):
+        curve = reliability_curve(confidence, outcome)
+        ece = binned_calibration_error(confidence, outcome, bins)
+        supported = curve["density"] >= 0.01 * curve["density"].max()  # no curve where there are no predictions
+        line, = curve_axis.plot(curve["confidence"], np.where(supported, np.clip(curve["accuracy"], 0, 1), np.nan), linewidth=2,
+                                label=f"{name}: smECE {curve['smece']:.3f}, ECE {ece:.3f}")
+        density_axis.plot(curve["confidence"], curve["density"], color=line.get_color(), linewidth=1.5)
+        if i == 0:
+            which = np.clip(np.ceil(np.asarray(confidence) * bins).astype(int) - 1, 0, bins - 1)
+            counts = np.bincount(which, minlength=bins)
+            filled = counts > 0
+            accuracy = np.bincount(which, weights=outcome, minlength=bins)[filled] / counts[filled]
+            centres = (np.arange(bins) + 0.5)[filled] / bins
+            curve_axis.scatter(centres, accuracy, color=line.get_color(), s=14, zorder=3, label=f"{name}: {bins} bins")
+    curve_axis.set(ylabel="accuracy", xlim=(0, 1), ylim=(0, 1), title="Reliability (top-label confidence)")
+    curve_axis.legend(fontsize=7, loc="upper left")
+    density_axis.set(xlabel="confidence", ylabel="density")
     return png_bytes(fig)

@@ -116,7 +116,8 @@ def severity_figure(runs: list[RunResults]) -> Figure | None:
     if not curves:
         return None
     return Figure("accuracy_vs_severity", "Generalisation", "Mean top-1 over the evaluated corruptions at each "
-                  "severity (0 = clean ID top-1).", plots.severity_chart(curves, anchored))
+                  "severity (0 = clean ID top-1).", plots.severity_chart(curves, plots.run_colours(list(anchored.values())),
+                                                                          ["o" if a else "s" for a in anchored.values()]))
 
 
 def robustness_figure(runs: list[RunResults]) -> Figure | None:
