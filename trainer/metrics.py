@@ -46,3 +46,23 @@ def auroc(id_scores, ood_scores) -> float:
         ranks[order[start:end]] = 0.5 * (start + end - 1) + 1.0
     n_id, n_ood = id_scores.size, ood_scores.size
     return float((ranks[:n_id].sum() - n_id * (n_id + 1) / 2) / (n_id * n_ood))
+
+
+def fpr_at_tpr(id_scores, ood_scores, tpr: float = 0.95) -> float:
+    """False-positive rate on OOD at the threshold that keeps a fraction `tpr` of ID (FPR95 at 0.95).
+
+    ID is the positive class and a higher score means more in-distribution (the SFT and RankFeat
+    papers' convention). The threshold t is the highest score that still accepts at least
+    ceil(tpr * n_id) ID samples (t = the ceil(tpr * n_id)-th largest ID score); the result is the
+    fraction of OOD samples with score >= t. This is sklearn's roc_curve FPR at the first
+    operating point whose TPR reaches `tpr`.
+    """
+    id_scores = np.asarray(id_scores, dtype=np.float64).ravel()
+    ood_scores = np.asarray(ood_scores, dtype=np.float64).ravel()
+    if id_scores.size == 0 or ood_scores.size == 0:
+        raise ValueError("FPR at a TPR needs at least one ID and one OOD score")
+    if not 0.0 < tpr <= 1.0:
+        raise ValueError(f"tpr = {tpr}: expected a rate in (0, 1]")
+    kept = int(np.ceil(tpr * id_scores.size - 1e-9))  # the 1e-9 keeps 0.95 * 20 = 19, not 20
+    threshold = np.sort(id_scores)[::-1][kept - 1]
+    return float(np.mean(ood_scores >= threshold))
