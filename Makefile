@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.fastanchor-installed
-APT_PACKAGES := libopencv-dev libturbojpeg0-dev pkg-config
+APT_PACKAGES := libopencv-dev libturbojpeg0-dev pkg-config chromium chromium-driver
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test setup clean
@@ -19,12 +19,12 @@ setup: $(STAMP)
 # Re-run only when the dependency files change: a second `make demo` skips this in seconds.
 $(STAMP): pyproject.toml constraints.txt
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
-		echo "== installing the system libraries FFCV builds against: $(APT_PACKAGES)"; \
+		echo "== installing the system libraries FFCV builds against and the headless browser the report test opens: $(APT_PACKAGES)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
 	fi
 	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,test]"
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,dali,test]"
 	@touch $(STAMP)
 
 clean:

@@ -11,6 +11,14 @@ copy), and writes all six output channels once as one [BLOCK, 8] tile (columns 6
 which in the channels-last output is a contiguous run of 6 * BLOCK elements. Offsets are int64, so
 batches whose output exceeds 2**31 elements are fine.
 
+Reference-bank update (HAS_BANK): the same program also stores the uint8 pixels it has just read
+into bank[slots[b]], so the batch is read once for both jobs. When the references are the bank,
+program (b, block) may read slot index[b] while another program writes slot slots[b'] in the same
+launch, in any order (there is no barrier between programs). The kernel therefore relies on the
+caller never reading a slot it writes: `ReferenceBank` keeps `capacity + batch` slots and draws
+references only from the `capacity` slots behind its cursor, while the batch goes to the slots
+ahead of it, so the two sets are disjoint by construction (see pipeline/references.py).
+
 Importing this module never fails: without triton, `anchor_triton_available()` is False. The
 kernel is wrapped by `triton.jit` on first use (not at import), so TRITON_INTERPRET set by a test
 after the package was imported still selects the interpreter (then CPU tensors work).
@@ -21,6 +29,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from fastanchor.kernels.anchor_torch import check_bank_write
 
 try:
     import triton
@@ -45,13 +55,15 @@ def _interpreting() -> bool:
 
 
 def _anchor_kernel(
-    x_ptr, r_ptr, index_ptr, masked_ptr, out_ptr,
+    x_ptr, r_ptr, index_ptr, masked_ptr, out_ptr, bank_ptr, slot_ptr,
     H, W, n_blocks,
     sxb, sxc, sxh, sxw,
     srb, src, srh, srw,
     sob, soc, soh, sow,
+    sbb, sbc, sbh, sbw,
     mean0, mean1, mean2, std0, std1, std2,
     HAS_INDEX: tl.constexpr,  # a string annotation (future import): fine without triton
+    HAS_BANK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -70,9 +82,18 @@ def _anchor_kernel(
 
     x_pix = x_ptr + b * sxb + h * sxh + w * sxw
     r_pix = r_ptr + rb * srb + h * srh + w * srw
-    x0 = tl.load(x_pix, mask=inside, other=0).to(tl.float32)
-    x1 = tl.load(x_pix + sxc, mask=inside, other=0).to(tl.float32)
-    x2 = tl.load(x_pix + 2 * sxc, mask=inside, other=0).to(tl.float32)
+    x0_u8 = tl.load(x_pix, mask=inside, other=0)
+    x1_u8 = tl.load(x_pix + sxc, mask=inside, other=0)
+    x2_u8 = tl.load(x_pix + 2 * sxc, mask=inside, other=0)
+    if HAS_BANK:  # store the batch into its bank slot from the values just read
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        bank_pix = bank_ptr + slot * sbb + h * sbh + w * sbw
+        tl.store(bank_pix, x0_u8, mask=inside)
+        tl.store(bank_pix + sbc, x1_u8, mask=inside)
+        tl.store(bank_pix + 2 * sbc, x2_u8, mask=inside)
+    x0 = x0_u8.to(tl.float32)
+    x1 = x1_u8.to(tl.float32)
+    x2 = x2_u8.to(tl.float32)
     r0 = tl.load(r_pix, mask=inside, other=0).to(tl.float32)
     r1 = tl.load(r_pix + src, mask=inside, other=0).to(tl.float32)
     r2 = tl.load(r_pix + 2 * src, mask=inside, other=0).to(tl.float32)
@@ -125,14 +146,19 @@ def anchor_triton(
     std,
     dtype: torch.dtype = torch.float32,
     reference_index: torch.Tensor | None = None,
+    bank: torch.Tensor | None = None,
+    bank_slots: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 images [B, 3, H, W] and references, bool `masked` [B] -> [B, 6, H, W] network input.
 
     Same contract as `anchor_torch`. With `reference_index` (int [B]) `references` is a pool
     [R, 3, H, W] and sample i's reference is references[reference_index[i]]; the indices must lie in
-    [0, R) and are not checked (that would cost a device sync). `out`, if given, is written in place and returned
-    (any layout; by default a new channels-last tensor).
+    [0, R) and are not checked (that would cost a device sync). With `bank` (uint8 [P, 3, H, W]) and
+    `bank_slots` (int [B]), image i is also stored in bank[bank_slots[i]]; the slots must be distinct
+    and, when `references` is the bank, none of them may be read in the same call (checked only for
+    CPU tensors, see `check_bank_write`). `out`, if given, is written in place and returned (any
+    layout; by default a new channels-last tensor).
     """
     if triton is None:
         raise RuntimeError("anchor_triton needs triton, which is not importable here; use anchor_torch")
@@ -158,6 +184,9 @@ def anchor_triton(
     if masked.shape != (B,):
         raise ValueError(f"masked {tuple(masked.shape)}: expected one flag per sample ({B},)")
     mean3, std3 = _three_floats(mean, "mean"), _three_floats(std, "std")
+    if bank is not None:
+        check_bank_write(images, references, reference_index, bank, bank_slots)
+        bank_slots = bank_slots.to(device=device, dtype=torch.int64)
 
     if out is None:
         out = torch.empty((B, 6, H, W), dtype=dtype, device=device, memory_format=torch.channels_last)
@@ -170,11 +199,12 @@ def anchor_triton(
     n_blocks = triton.cdiv(H * W, block)
     flags = masked.view(torch.uint8)
     index_arg = reference_index if reference_index is not None else flags  # unread when HAS_INDEX is False
+    bank_arg, slots_arg = (bank, bank_slots) if bank is not None else (images, flags)  # unread without HAS_BANK
     _kernel()[(B * n_blocks,)](
-        images, references, index_arg, flags, out,
+        images, references, index_arg, flags, out, bank_arg, slots_arg,
         H, W, n_blocks,
-        *images.stride(), *references.stride(), *out.stride(),
+        *images.stride(), *references.stride(), *out.stride(), *bank_arg.stride(),
         *mean3, *std3,
-        HAS_INDEX=reference_index is not None, BLOCK=block, num_warps=NUM_WARPS,
+        HAS_INDEX=reference_index is not None, HAS_BANK=bank is not None, BLOCK=block, num_warps=NUM_WARPS,
     )
     return out

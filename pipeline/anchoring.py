@@ -13,7 +13,7 @@ Standard training uses the same stage with `anchored=False` (normalisation and l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -88,8 +88,11 @@ class AnchoringStage:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
+        """`augment`: a device-side augmentation of the uint8 batch before pairing (e.g. random erasing)."""
         self.loader = loader
+        self.augment = augment
         self.spec = spec
         self.references = references or InBatchDerangement()
         self.device = torch.device(device)
@@ -105,12 +108,15 @@ class AnchoringStage:
 
     def process(self, images: torch.Tensor, labels: torch.Tensor) -> AnchoredBatch:
         images, labels = to_device_batch(images, labels, self.device)
+        if self.augment is not None:
+            images = self.augment(images)
         spec = self.spec
         if not spec.anchored:
             masked = torch.zeros(images.shape[0], dtype=torch.bool, device=self.device)
             return AnchoredBatch(normalize(images, spec.mean, spec.std, self.dtype), labels, masked)
         masked = draw_mask(images.shape[0], spec.alpha, spec.mask_level, self.generator).to(self.device)
         pool, index = self.references.pair(images, self.generator)
-        inputs = anchor(images, pool, masked, spec.mean, spec.std, self.dtype, reference_index=index)
-        self.references.observe(images)
+        bank, slots = self.references.reserve(images) or (None, None)  # the bank is filled by the same pass
+        inputs = anchor(images, pool, masked, spec.mean, spec.std, self.dtype, reference_index=index,
+                        bank=bank, bank_slots=slots)
         return AnchoredBatch(inputs, labels, masked)

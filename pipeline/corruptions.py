@@ -1,9 +1,11 @@
-"""ImageNet-C corruptions applied on the fly, seeded (the corruptions use numpy's global RNG)."""
+"""Corruptions applied on the fly, seeded: ImageNet-C's 19 (the `imagecorruptions` package, which uses
+numpy's global RNG) and ImageNet-C-bar's 10 (pipeline/corruptions_bar.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_CORRUPTIONS, corrupt_bar
 from fastanchor.trainer.errors import ConfigError
 
 IMAGENET_C_CORRUPTIONS = (
@@ -13,18 +15,20 @@ IMAGENET_C_CORRUPTIONS = (
 )
 
 
-def check_corruption_names(names) -> None:
+def check_corruption_names(names, known=IMAGENET_C_CORRUPTIONS, what: str = "corruption") -> None:
     for name in names:
-        if name not in IMAGENET_C_CORRUPTIONS:
-            raise ConfigError(f"unknown corruption {name!r}: expected one of {', '.join(IMAGENET_C_CORRUPTIONS)}")
+        if name not in known:
+            raise ConfigError(f"unknown {what} {name!r}: expected one of {', '.join(known)}")
 
 
 def corrupt_image(image: np.ndarray, name: str, severity: int, seed: int) -> np.ndarray:
     """Corrupt one uint8 HWC RGB image; the same (image, name, severity, seed) gives the same bytes.
 
-    numpy's global RNG is seeded for the call and restored afterwards, so the caller's stream
-    is left untouched.
+    `name` is an ImageNet-C or an ImageNet-C-bar corruption. For ImageNet-C, numpy's global RNG is
+    seeded for the call and restored afterwards, so the caller's stream is left untouched.
     """
+    if name in IMAGENET_C_BAR_CORRUPTIONS:
+        return corrupt_bar(np.ascontiguousarray(image), name, severity, seed)
     from imagecorruptions import corrupt
 
     state = np.random.get_state()

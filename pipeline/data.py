@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 from pathlib import Path
 
 import torch
@@ -16,12 +19,18 @@ from fastanchor.pipeline.torchvision_loader import (
     train_transform,
 )
 from fastanchor.trainer.config import Config, DataConfig
-from fastanchor.trainer.errors import DataError
+from fastanchor.trainer.errors import ConfigError, DataError
 
 
 def ensure_dataset(config: Config, progress: bool = True) -> Path:
-    """Generate the embedded dataset into data.root when the config asks for it; return the root."""
+    """Generate the embedded dataset, or decode the CIFAR pickles, into data.root when the config
+    asks for it; return the root."""
     root = Path(config.data.root)
+    if config.data.dataset == "cifar":
+        from fastanchor.pipeline.cifar import ensure_cifar_tree
+
+        d = config.data
+        ensure_cifar_tree(d.cifar_dir, root, (d.train_split, d.val_split), progress=progress)
     if config.data.dataset == "embedded":
         from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
 
@@ -39,48 +48,128 @@ def ensure_dataset(config: Config, progress: bool = True) -> Path:
 
 
 def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = None) -> ImageFolderIndex:
-    return scan_image_folder(Path(data.root) / split, classes)
+    """The split's index. With the FFCV loader, an existing .beton whose manifest still matches the
+    tree gives it without opening an image file; otherwise the tree is scanned strictly."""
+    root = Path(data.root) / split
+    if data.loader == "ffcv":
+        from fastanchor.pipeline.beton_manifest import recorded_index
+
+        recorded = recorded_index(split_beton_path(data, root), root, classes)
+        if recorded is not None:
+            return recorded
+    return scan_image_folder(root, classes)
+
+
+def split_beton_path(data: DataConfig, split_root: Path) -> Path:
+    return Path(data.root) / "ffcv" / f"{split_root.name}.beton"
 
 
 def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
-    return Path(data.root) / "ffcv" / f"{index.root.name}.beton"
+    return split_beton_path(data, index.root)
 
 
 def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = True) -> Path:
-    """The split's .beton, written (and verified) when missing or when it no longer matches the split."""
-    from fastanchor.pipeline.ffcv_loader import inspect_beton, write_beton
+    """The split's .beton, written (verified) with its manifest when missing, or when it was not
+    written from exactly `index` or the tree changed since (see pipeline/beton_manifest.py)."""
+    from fastanchor.pipeline.beton_manifest import is_current, write_manifest
+    from fastanchor.pipeline.ffcv_loader import write_beton
 
     path = beton_path(data, index)
-    if path.exists():
-        info = inspect_beton(path)
-        if info.num_samples == len(index) and info.labels.tolist() == [label for _, label in index.samples]:
-            return path
+    if is_current(path, index):
+        return path
     write_beton(index, path, max_resolution=data.ffcv_max_resolution or None, jpeg_quality=data.ffcv_jpeg_quality,
-                compress_probability=data.ffcv_compress_probability, workers=max(1, data.workers), progress=progress)
+                compress_probability=data.ffcv_compress_probability,
+                workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
+    write_manifest(path, index)
     return path
 
 
-def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int):
+# What each loader can do per image besides its crop and flip (checked once, at start-up).
+_LOADER_POLICIES = {
+    "torchvision": ("none", "autoaugment", "randaugment", "trivialaugment_wide", "augmix"),
+    "ffcv": ("none",),
+    "dali": ("none", "autoaugment", "randaugment", "trivialaugment_wide"),
+}
+_LOADER_POLICY_NOTES = {
+    "ffcv": "FFCV's pipeline only crops and flips; use data.loader=torchvision or dali",
+    "dali": "nvidia.dali.auto_aug has no AugMix; use data.loader=torchvision",
+}
+
+
+def check_loader_supports(config: Config) -> None:
+    """Refuse, with one line, a per-image augmentation the configured loader cannot do."""
+    loader, policy = config.data.loader, config.augment.auto_augment
+    if policy not in _LOADER_POLICIES.get(loader, (policy,)):
+        raise ConfigError(f"augment.auto_augment = {policy!r} is not supported by data.loader = {loader!r}: "
+                          f"{_LOADER_POLICY_NOTES[loader]}")
+
+
+def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
+                 rank: int = 0, world_size: int = 1, policy: str = "none"):
+    """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
+    `policy` is augment.auto_augment (see check_loader_supports)."""
     if data.loader == "ffcv":
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
-                          min_scale=data.min_scale, workers=data.workers, device=device, seed=seed, drop_last=data.drop_last)
-    dataset = DecodedImages(index, train_transform(data.image_size, data.min_scale))
+                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
+                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
+    if data.loader == "dali":
+        from fastanchor.pipeline.dali_loader import DALILoader
+
+        return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
+                          crop=data.train_crop, padding=data.crop_padding, policy=policy,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
+                          shard_id=rank, num_shards=world_size)
+    transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
+                                           padding=data.crop_padding, policy=policy)
+    dataset = DecodedImages(index, transform_for_size(data.image_size))
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
-                             workers=data.workers, device=device, seed=seed)
+                             workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,
+                             rank=rank, world_size=world_size)
 
 
-def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None):
-    """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path)."""
+def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
+                *, rank: int = 0, world_size: int = 1):
+    """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path).
+
+    With `world_size` > 1 the torchvision loader reads every image exactly once over all processes
+    (sum the counts); FFCV's distributed mode pads shards with repeats, so there every process reads all."""
     if data.loader == "ffcv" and corruption is None:
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
-                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False)
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
+                          os_cache=data.ffcv_os_cache)
+    if data.loader == "dali" and corruption is None:
+        from fastanchor.pipeline.dali_loader import DALILoader
+
+        return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
+                          shard_id=rank, num_shards=world_size)
     dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
     return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=min(data.workers, 1) if corruption is None else data.workers, device=device)
+                             workers=data.workers, device=device, rank=rank, world_size=world_size)
+
+
+def evaluation_is_sharded(loader) -> bool:
+    """Whether an eval loader built with world_size > 1 reads a disjoint shard (else every process reads all)."""
+    if isinstance(loader, TorchvisionLoader):
+        return loader.sampler.world_size > 1
+    return getattr(loader, "num_shards", 1) > 1  # DALI: every sample once over all shards
+
+
+def iterate_from(loader, first_batch: int):
+    """Iterate the loader's current epoch from batch `first_batch` on (resuming mid-epoch).
+
+    Loaders with `iter_from` skip without decoding; any other loader decodes and drops the first
+    batches, which gives the same batches when its order is a function of (seed, epoch)."""
+    if first_batch == 0:
+        return iter(loader)
+    if hasattr(loader, "iter_from"):
+        return loader.iter_from(first_batch)
+    return itertools.islice(iter(loader), first_batch, None)
 
 
 def reference_images(data: DataConfig, index: ImageFolderIndex, count: int, seed: int) -> torch.Tensor:

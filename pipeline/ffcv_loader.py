@@ -247,7 +247,8 @@ def _writer_class():
                 for process in processes:
                     process.start()
                 allocation_list, finished, shown = [], 0, 0
-                with tqdm(total=num_samples, desc=f"writing {self.target}", disable=not self.progress) as bar:
+                with tqdm(total=num_samples, desc=f"writing {self.target}", unit="img",
+                          disable=not self.progress) as bar:
                     while finished < len(processes):
                         self._raise_reported(errors)
                         try:
@@ -433,6 +434,11 @@ class FFCVLoader:
     square of side `crop_ratio * shorter side`, resized to s x s (torchvision: resize the shorter
     side to s / crop_ratio, crop s x s). FFCV resizes with OpenCV's INTER_AREA.
 
+    `crop="padded"` (train only) is CIFAR's augmentation instead: the whole image resized to s x s
+    (unchanged when the images are s x s already), flipped, then shifted by up to `padding` pixels
+    in each direction inside a black frame (FFCV's RandomTranslate: torchvision's RandomCrop with
+    `padding`).
+
     Order: "sequential" (default for eval), "random", "quasi_random" (default for train; FFCV's
     page-aware shuffle, useful when os_cache=False and the file does not fit in RAM; it works with
     os_cache=True too). FFCV has no QUASI_RANDOM for distributed=True, where "random" is used
@@ -462,6 +468,8 @@ class FFCVLoader:
         image_size: int,
         crop_ratio: float = 0.875,
         min_scale: float = 0.35,
+        crop: str = "random_resized",
+        padding: int = 4,
         workers: int,
         device: torch.device | str,
         seed: int = 0,
@@ -475,7 +483,7 @@ class FFCVLoader:
         from ffcv.fields.basics import IntDecoder
         from ffcv.fields.rgb_image import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
         from ffcv.loader import Loader, OrderOption
-        from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor
+        from ffcv.transforms import RandomHorizontalFlip, RandomTranslate, Squeeze, ToTensor
 
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ConfigError(f"batch_size = {batch_size!r}: expected a positive integer")
@@ -501,7 +509,12 @@ class FFCVLoader:
         self.order = order
         self.seed = seed
         self.threads = max(1, min(int(workers), numba.config.NUMBA_NUM_THREADS))
-        if train:
+        if crop not in ("random_resized", "padded"):
+            raise ConfigError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
+        if train and crop == "padded":  # CIFAR's: the whole image at image_size, flipped, shifted in a black frame
+            self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=1.0)
+            image_pipeline = [self.decoder, RandomHorizontalFlip(), RandomTranslate(padding=padding), ToTensor()]
+        elif train:
             self.decoder = RandomResizedCropRGBImageDecoder((image_size, image_size), scale=(min_scale, 1.0),
                                                             ratio=(3 / 4, 4 / 3))
             image_pipeline = [self.decoder, RandomHorizontalFlip(), ToTensor()]

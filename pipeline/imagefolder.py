@@ -13,7 +13,7 @@ _MAGIC = {
     ".bmp": (b"BM",), ".webp": (b"RIFF",), ".ppm": (b"P6", b"P3"), ".tif": (b"II*\x00", b"MM\x00*"),
     ".tiff": (b"II*\x00", b"MM\x00*"),
 }
-_IGNORED = {".DS_Store", "Thumbs.db"}
+IGNORED_FILES = {".DS_Store", "Thumbs.db"}
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,17 @@ def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None) 
         folder = root / name
         if not folder.is_dir():
             continue
-        for path in sorted(folder.rglob("*")):
-            if path.is_dir() or path.name in _IGNORED or path.name.startswith("."):
-                continue
+        for path in class_files(folder):
             samples.append((str(check_image_file(path)), index))
     if not samples:
         raise DataError(f"data directory '{root}' has class folders but no images")
     return ImageFolderIndex(root, classes, tuple(samples))
+
+
+def class_files(folder: Path) -> list[Path]:
+    """The files a class folder contributes, in index order (hidden and system files left out)."""
+    return [path for path in sorted(folder.rglob("*"))
+            if not path.is_dir() and path.name not in IGNORED_FILES and not path.name.startswith(".")]
 
 
 def check_image_file(path: Path) -> Path:

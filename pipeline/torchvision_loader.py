@@ -8,16 +8,17 @@ processes, pinned memory on CUDA, persistent workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
 from fastanchor.pipeline.corruptions import corrupt_image
 from fastanchor.pipeline.imagefolder import ImageFolderIndex
-from fastanchor.trainer.errors import DataError
+from fastanchor.trainer.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,28 @@ class Corruption:
     seed: int = 0
 
 
-def train_transform(image_size: int, min_scale: float) -> v2.Transform:
-    return v2.Compose([
-        v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.PILToTensor(),
-    ])
+AUTO_AUGMENT_POLICIES = {
+    "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
+    "randaugment": v2.RandAugment,
+    "trivialaugment_wide": v2.TrivialAugmentWide,
+    "augmix": v2.AugMix,
+}
+
+
+def train_transform(image_size: int, min_scale: float, *, crop: str = "random_resized", padding: int = 4,
+                    policy: str = "none") -> v2.Transform:
+    """Crop (random-resized, or CIFAR's padded random crop), horizontal flip, then an optional
+    augmentation policy per image (torchvision's reference order), as a uint8 tensor."""
+    if crop == "random_resized":
+        cropping = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
+    elif crop == "padded":
+        cropping = v2.RandomCrop(image_size, padding=padding, fill=0)
+    else:
+        raise ValueError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
+    steps = [cropping, v2.RandomHorizontalFlip()]
+    if policy != "none":
+        steps.append(AUTO_AUGMENT_POLICIES[policy]())
+    return v2.Compose([*steps, v2.PILToTensor()])
 
 
 def eval_transform(image_size: int, crop_ratio: float) -> v2.Transform:
@@ -73,8 +90,102 @@ class DecodedImages(Dataset):
         return image, label
 
 
+def epoch_shard(num_samples: int, *, seed: int, epoch: int, shuffle: bool, rank: int = 0,
+                world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sample indices process `rank` of `world_size` reads in `epoch`, and their augmentation seeds.
+
+    Shuffled (training): a permutation drawn from (seed, epoch) alone, padded with its first
+    samples to a multiple of `world_size` (as torch's DistributedSampler: every process gets as
+    many samples), process `rank` taking positions rank, rank + world_size, ... So batch k of all
+    processes together holds the samples of batch k of one process with world_size times the
+    batch. Each sample also gets an augmentation seed drawn from (seed, epoch), indexed by sample:
+    its random crop and flip depend on (seed, epoch, sample) only, not on workers, ranks or resuming.
+    Not shuffled (evaluation): 0..N-1, rank taking every world_size-th sample, no padding (every
+    sample is read exactly once over all processes; shards may differ by one), no seeds.
+    """
+    if not shuffle:
+        return torch.arange(rank, num_samples, world_size), None
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(num_samples, generator=generator)
+    augmentation_seeds = torch.randint(0, 2**62, (num_samples,), generator=generator)
+    padded = -(-num_samples // world_size) * world_size
+    if padded > num_samples:
+        order = torch.cat([order, order[: padded - num_samples]])
+    return order[rank::world_size], augmentation_seeds
+
+
+class EpochSampler(Sampler):
+    """Sampler over `epoch_shard`: `set_epoch` picks the epoch, `start_at(position)` skips the first
+    `position` samples of the next iteration only (resuming mid-epoch without decoding them).
+    Shuffled, it yields (index, augmentation seed) pairs for `SeededSamples`."""
+
+    def __init__(self, num_samples: int, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1):
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank {rank} outside a world of {world_size} processes")
+        self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def start_at(self, position: int) -> None:
+        self.start = position
+
+    def __len__(self) -> int:
+        if self.shuffle:
+            return -(-self.num_samples // self.world_size)
+        return len(range(self.rank, self.num_samples, self.world_size))
+
+    def __iter__(self):
+        start, self.start = self.start, 0  # runs at the first next(): the start applies to this iteration only
+        indices, seeds = epoch_shard(self.num_samples, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
+                                     rank=self.rank, world_size=self.world_size)
+        indices = indices[start:]
+        if seeds is None:
+            yield from indices.tolist()
+        else:
+            yield from zip(indices.tolist(), seeds[indices].tolist())
+
+
+class SeededSamples(Dataset):
+    """dataset[index] with torch's random generator seeded by the sample's own seed (then restored):
+    random transforms become a function of (index, seed), whichever worker or process decodes them."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, seed = item
+        generator = torch.default_generator  # the CPU generator transforms draw from (torch.manual_seed is 50x slower)
+        saved = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            return self.dataset[index]
+        finally:
+            generator.set_state(saved)
+
+
 class TorchvisionLoader:
-    """Iterates (uint8 channels-last images, int64 labels) on `device`; `set_epoch` reseeds order."""
+    """Iterates (uint8 channels-last images, int64 labels) on `device`.
+
+    The order of an epoch and every random crop and flip are a function of (seed, epoch):
+    `set_epoch(epoch)` before iterating, `iter_from(batch)` to start the epoch at a batch.
+    With `world_size` > 1 (several training processes) each rank reads its shard (`epoch_shard`).
+
+    The usual fast settings of a torch DataLoader: `workers` decoding processes that persist
+    across epochs, each keeping `prefetch_factor` batches ahead, and pinned host memory with
+    asynchronous copies when `device` is CUDA.
+
+    `set_image_size(s)` (progressive resizing) needs `transform_for_size`, the dataset's transform
+    as a function of the image side: the dataset's transform is rebuilt, and since persistent
+    workers hold their own copy of the dataset, the DataLoader (and its workers) is rebuilt too,
+    once per change of size.
+    """
 
     def __init__(
         self,
@@ -86,25 +197,54 @@ class TorchvisionLoader:
         workers: int,
         device: torch.device,
         seed: int = 0,
+        prefetch_factor: int = 4,
+        transform_for_size: Callable[[int], v2.Transform] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.device = torch.device(device)
         self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
-        self.loader = DataLoader(
-            dataset,
+        self.batch_size = batch_size
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.transform_for_size = transform_for_size
+        self.image_size: int | None = None  # None: as the dataset's transform was given
+        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+        self._loader_options = dict(
             batch_size=batch_size,
-            shuffle=shuffle,
+            sampler=self.sampler,
             drop_last=drop_last,
             num_workers=workers,
             pin_memory=self.device.type == "cuda",
             persistent_workers=workers > 0,
-            generator=self.generator,
+            generator=torch.Generator().manual_seed(seed),  # keeps the DataLoader off torch's global generator
             worker_init_fn=_seed_worker,
-            prefetch_factor=4 if workers > 0 else None,
+            prefetch_factor=prefetch_factor if workers > 0 else None,
         )
+        self.loader = self._data_loader()
+
+    def _data_loader(self) -> DataLoader:
+        return DataLoader(SeededSamples(self.dataset) if self.shuffle else self.dataset, **self._loader_options)
 
     def set_epoch(self, epoch: int) -> None:
-        self.generator.manual_seed(self.seed * 1_000_003 + epoch)
+        self.sampler.set_epoch(epoch)
+
+    def iter_from(self, first_batch: int):
+        """Iterate the current epoch from batch `first_batch` on; the skipped batches are not decoded."""
+        self.sampler.start_at(first_batch * self.batch_size)
+        return iter(self)
+
+    def set_image_size(self, image_size: int) -> None:
+        """Output image_size x image_size images from the next iteration on."""
+        if not (isinstance(image_size, int) and image_size >= 1):
+            raise ConfigError(f"image_size = {image_size!r}: expected a positive integer (pixels)")
+        if image_size == self.image_size:
+            return
+        if self.transform_for_size is None:
+            raise ConfigError("this torchvision loader was built without transform_for_size: its image size is fixed")
+        self.dataset.transform = self.transform_for_size(image_size)
+        self.image_size = image_size
+        self.loader = self._data_loader()  # new workers with the new transform
 
     def __len__(self) -> int:
         return len(self.loader)

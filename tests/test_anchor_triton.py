@@ -234,3 +234,71 @@ def test_float32_is_bitwise_equal_to_torch():
         got = anchor_triton(images, pool, masked, mean, std, torch.float32, reference_index=index)
         want = anchor_torch(images, pool, masked, mean, std, torch.float32, reference_index=index)
         assert torch.equal(got, want)
+
+
+# --- the reference-bank update in the same pass ------------------------------------------------
+
+POISON = 255  # bank poison: the images written below stay in [0, 254], so an unwritten byte shows
+
+
+def make_bank_step(b, h, w, k, references_from):
+    """Images, a poisoned bank (some layout), distinct write slots and, reading from the bank, only
+    slots that are not written (as ReferenceBank guarantees); or references from a separate pool."""
+    seed = 1000 * k + h * w + b
+    images = make_images(b, h, w, LAYOUTS[k % 5], seed).clamp_(max=POISON - 1)
+    slots_total = b + 2 + k
+    bank = make_images(slots_total, h, w, LAYOUTS[(k + 3) % 5], seed + 1).clamp_(max=POISON - 1)
+    order = torch.randperm(slots_total, generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE)
+    slots, readable = order[:b], order[b:]
+    bank[slots] = POISON
+    if references_from == "bank":
+        pick = torch.randint(len(readable), (b,), generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
+        pool, index = bank, readable[pick]
+    else:
+        pool = make_images(3, h, w, LAYOUTS[(k + 1) % 5], seed + 4)
+        index = torch.randint(3, (b,), generator=torch.Generator().manual_seed(seed + 5)).to(DEVICE)
+    return images, bank, slots, pool, index
+
+
+@pytest.mark.parametrize("references_from", ["bank", "pool"])
+@pytest.mark.parametrize("case", [(1, 1, 1), (1, 3, 5), (3, 7, 13), (2, 37, 41)], ids=lambda c: "x".join(map(str, c)))
+def test_bank_write_in_the_same_pass_matches_torch_reference(case, references_from):
+    b, h, w = case
+    for k in range(len(LAYOUTS)):
+        dtype = DTYPES[k % 3]
+        images, bank, slots, pool, index = make_bank_step(b, h, w, k, references_from)
+        masked = make_mask(b, MASKS[k % 3], k)
+        expected_bank = bank.clone()
+        expected_bank[slots] = images  # float-free: the bytes of each image land in its slot
+        torch_bank = bank.clone()
+        torch_pool = torch_bank if pool is bank else pool
+        want = anchor_torch(images, torch_pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype,
+                            reference_index=index, bank=torch_bank, bank_slots=slots)
+        out = poisoned_out(b, h, w, dtype)
+        got = anchor_triton(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype,
+                            reference_index=index, bank=bank, bank_slots=slots, out=out)
+        assert got is out
+        assert_matches(got, want, dtype)
+        assert torch.equal(bank, expected_bank) and torch.equal(torch_bank, expected_bank)
+
+
+def test_bank_write_rejects_races_and_bad_slots():
+    b, h, w = 3, 4, 5
+    images, bank, slots, pool, index = make_bank_step(b, h, w, 0, "bank")
+    masked = make_mask(b, "none", 0)
+    for op in (anchor_triton, anchor_torch):
+        with pytest.raises(ValueError, match="written in the same call"):
+            op(images, bank, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=slots.flip(0),
+               bank=bank, bank_slots=slots)
+        with pytest.raises(ValueError, match="repeat a slot"):
+            op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
+               bank=bank, bank_slots=slots[[0, 0, 1]])
+        with pytest.raises(ValueError, match="outside"):
+            op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
+               bank=bank, bank_slots=slots + bank.shape[0])
+        with pytest.raises(ValueError, match="one slot per sample"):
+            op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
+               bank=bank, bank_slots=slots[:2])
+        with pytest.raises(ValueError, match="expected uint8"):
+            op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
+               bank=bank[:, :, :2], bank_slots=slots)

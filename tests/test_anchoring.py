@@ -128,13 +128,13 @@ def test_reference_bank_draws_from_earlier_batches_only():
     second = torch.full((4, 3, 2, 2), 2, dtype=torch.uint8)
     assert (bank.references_for(second, generator) == 1).all()
     bank.observe(second)
-    assert bank.filled == 6 and bank.cursor == 2  # ring buffer wrapped: 2 of the first batch left
+    assert bank.contents()[:, 0, 0, 0].tolist() == [1, 1, 2, 2, 2, 2]  # wrapped: 2 of the first batch left
     values = set(bank.references_for(torch.zeros(200, 3, 2, 2, dtype=torch.uint8), generator)[:, 0, 0, 0].tolist())
     assert values == {1, 2}
     bank.observe(torch.full((4, 3, 2, 2), 3, dtype=torch.uint8))
-    assert set(bank.images[:, 0, 0, 0].tolist()) == {2, 3}
+    assert bank.contents()[:, 0, 0, 0].tolist() == [2, 2, 3, 3, 3, 3]
     bank.observe(torch.full((5, 3, 4, 4), 7, dtype=torch.uint8))  # new resolution: the bank starts over
-    assert bank.filled == 5 and bank.images.shape[2:] == (4, 4)
+    assert bank.filled == 5 and bank.contents().shape == (5, 3, 4, 4) and (bank.contents() == 7).all()
 
 
 def test_fixed_reference_set_of_any_size():

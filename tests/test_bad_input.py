@@ -1,11 +1,28 @@
-"""Bad input: one clear error line naming the problem, a non-zero exit, no traceback, nothing lost."""
+"""Bad input, as a table: config values, paths, files, image contents, checkpoint files and CLI usage.
 
+Each case must stop with one line naming the problem (`fastanchor: error: ...`), exit status 2, no
+traceback, and leave every file written before it (a finished run with mid-epoch checkpoints, the
+datasets, the checkpoint files the cases read) byte for byte as it was.
+"""
+
+import contextlib
 import hashlib
+import io
 import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
+import torch
 
-from conftest import run_cli, run_main, tiny_overrides
+from conftest import run_main, tiny_overrides
+from fastanchor.trainer.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from fastanchor.trainer.cli import main
+
+# The earlier run every case must leave intact: 3 steps, a checkpoint after each (small model).
+EARLIER = {"train.run_name": "earlier", "model.name": "test_efficientnet_gn", "optim.name": "sgd",
+           "train.checkpoint_interval": 1}
 
 
 def snapshot(root):
@@ -13,102 +30,15 @@ def snapshot(root):
             for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
-@pytest.fixture(scope="module")
-def workspace(tiny_dataset, tmp_path_factory):
-    """An earlier, finished run (which must survive every bad command) and a damaged dataset copy."""
-    root = tmp_path_factory.mktemp("bad")
-    run_cli("train", *tiny_overrides(tiny_dataset, root / "runs", **{"train.run_name": "earlier"}))
-    damaged = root / "damaged"
-    shutil.copytree(tiny_dataset, damaged)
-    empty = root / "empty"
-    (empty / "train").mkdir(parents=True)
-    return root
-
-
-def folder(path):
-    return {"data.dataset": "folder", "data.root": path}
-
-
-CASES = {
-    "alpha above 1": (lambda w: {"anchor.alpha": 1.5}, "anchor.alpha = 1.5: expected a probability in [0, 1]"),
-    "alpha below 0": (lambda w: {"anchor.alpha": -0.2}, "anchor.alpha = -0.2: expected a probability in [0, 1]"),
-    "unknown model": (lambda w: {"model.name": "resnet_does_not_exist"}, "unknown model 'resnet_does_not_exist'"),
-    "unknown torchvision model": (lambda w: {"model.name": "torchvision/resnet_nope"}, "unknown model 'torchvision/resnet_nope'"),
-    "unknown config key": (lambda w: {"optim.learning_rate": 0.1}, "unknown config key 'optim.learning_rate'"),
-    "unknown section": (lambda w: {"trainer.epochs": 1}, "unknown config key 'trainer.epochs'"),
-    "missing data directory": (lambda w: folder(w / "nowhere"), "data directory '{w}/nowhere/train' does not exist"),
-    "empty data directory": (lambda w: folder(w / "empty"), "data directory '{w}/empty/train' has no class folders"),
-    "existing run directory": (lambda w: {"train.run_name": "earlier"}, "run directory '{w}/runs/earlier' already exists"),
-    "batch larger than dataset": (lambda w: {"data.batch_size": 4096, "train.run_name": "big"}, "data.batch_size = 4096 is larger than"),
-    "cuda on a cpu machine": (lambda w: {"train.device": "cuda"}, "CUDA is not available"),
-    "embedded resolution too small": (lambda w: {"embedded.image_size": 8}, "embedded.image_size = 8: expected 32 to 256"),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_config_values(case, workspace, tiny_dataset):
-    if case == "cuda on a cpu machine":
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("this case needs a machine without a GPU")
-    make, message = CASES[case]
-    before = snapshot(workspace / "runs")
-    overrides = make(workspace)
-    result = run_main("train", *tiny_overrides(tiny_dataset, workspace / "runs", **overrides))
-    assert_one_line_error(result, message.format(w=workspace))
-    assert snapshot(workspace / "runs") == before
-
-
-@pytest.mark.parametrize("name, content, message", [
-    ("notes.txt", b"not an image", "non-image file '{path}' among the images"),
-    ("broken.jpg", b"GIF89a not a jpeg", "image file '{path}' is not a valid image: expected JPG data"),
-    ("empty.jpg", b"", "image file '{path}' is empty"),
-])
-def test_non_image_files_among_the_images(name, content, message, workspace, tiny_dataset):
-    damaged = workspace / "damaged"
-    bad_file = next((damaged / "train").iterdir()) / name
-    bad_file.write_bytes(content)
-    try:
-        before = snapshot(workspace / "runs")
-        result = run_main("train", *tiny_overrides(tiny_dataset, workspace / "runs", **folder(damaged)))
-        assert_one_line_error(result, message.format(path=bad_file))
-        assert snapshot(workspace / "runs") == before
-    finally:
-        bad_file.unlink()
-
-
-def test_truncated_jpeg_is_named_when_decoded(workspace, tiny_dataset):
-    damaged = workspace / "damaged"
-    victim = sorted((damaged / "val").rglob("*.jpg"))[0]
-    original = victim.read_bytes()
-    victim.write_bytes(original[:40])  # valid JPEG header, truncated body
-    try:
-        result = run_cli("train", *tiny_overrides(tiny_dataset, workspace / "runs", **folder(damaged),
-                                                     **{"train.run_name": "trunc", "data.workers": 1}), check=False)
-        assert_one_line_error(result, f"cannot decode image '{victim}'")
-    finally:
-        victim.write_bytes(original)
-
-
-def test_unknown_recipe_missing_checkpoint_and_crafted_checkpoint(workspace, tmp_path):
-    assert_one_line_error(run_main("train", "--config", "no_such_recipe"), "unknown recipe 'no_such_recipe'")
-    assert_one_line_error(run_main("evaluate", "--checkpoint", tmp_path / "missing.pt"),
-                          f"checkpoint '{tmp_path / 'missing.pt'}' does not exist")
-    class RunsCode:
-        def __reduce__(self):
-            return (print, ("pwned",))
-
-    import torch
-
-    crafted = tmp_path / "crafted.pt"
-    torch.save({"format": "fastanchor-checkpoint-v1", "payload": RunsCode()}, crafted)
-    result = run_cli("evaluate", "--checkpoint", crafted, check=False)
-    assert_one_line_error(result, f"checkpoint '{crafted}' was refused: it would run print when unpickled")
-    assert "pwned" not in result.stdout
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(b"\x00" * 100)
-    assert_one_line_error(run_main("evaluate", "--checkpoint", garbage), f"checkpoint '{garbage}' is damaged")
+def run_in_process(*args) -> subprocess.CompletedProcess:
+    """The CLI entry point in this process, usage errors (argparse's SystemExit) included."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as stop:
+            code = stop.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result, message):
@@ -118,3 +48,169 @@ def assert_one_line_error(result, message):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("fastanchor: error: ")
     assert message in lines[0], (message, lines[0])
+
+
+class RunsCode:
+    """Unpickling this runs a shell command (the marker file shows whether it ran)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def copy_dataset(source, target, damage=None):
+    shutil.copytree(source, target)
+    if damage:
+        damage(target)
+    return target
+
+
+def first_class(root):
+    return sorted((root / "train").iterdir())[0]
+
+
+@pytest.fixture(scope="module")
+def workspace(tiny_dataset, tmp_path_factory):
+    w = tmp_path_factory.mktemp("bad")
+    finished = run_main("train", *tiny_overrides(tiny_dataset, w / "runs", **EARLIER))
+    assert finished.returncode == 0, finished.stderr
+    (w / "runs" / "afile").write_text("a file where a run directory would go")
+    checkpoints = w / "runs" / "earlier" / "checkpoints"
+    real = load_checkpoint(checkpoints / checkpoint_name(1, 3, True))
+
+    (w / "empty" / "train").mkdir(parents=True)
+    copy_dataset(tiny_dataset, w / "text", lambda d: (first_class(d) / "notes.txt").write_bytes(b"not an image"))
+    copy_dataset(tiny_dataset, w / "gif", lambda d: (first_class(d) / "broken.jpg").write_bytes(b"GIF89a not a jpeg"))
+    copy_dataset(tiny_dataset, w / "zero", lambda d: (first_class(d) / "empty.jpg").write_bytes(b""))
+    victim = sorted((copy_dataset(tiny_dataset, w / "truncated") / "val").rglob("*.jpg"))[0]
+    victim.write_bytes(victim.read_bytes()[:40])  # a valid JPEG header, then nothing
+
+    files = w / "files"
+    files.mkdir()
+    (files / "bad.yaml").write_text("train: [epochs: 1\n")
+    (files / "garbage.pt").write_bytes(b"\x00" * 100)
+    torch.save({"format": "fastanchor-checkpoint-v1", "model": RunsCode(w / "marker")}, files / "crafted.pt")
+    shutil.copy(checkpoints / checkpoint_name(1, 3, True), files / "loose.pt")
+    torn = w / "torn" / "checkpoints" / "epoch_001.pt"
+    torn.parent.mkdir(parents=True)
+    torn.write_bytes((checkpoints / checkpoint_name(1, 3, True)).read_bytes()[:5000])
+    save_checkpoint(w / "weights" / "checkpoints" / "epoch_001.pt",
+                    {"config": real["config"], "classes": real["classes"], "model": real["model"]})
+    save_checkpoint(w / "wide" / "checkpoints" / "epoch_001.pt",
+                    {**{k: v for k, v in real.items() if k != "format"}, "world_size": 2})
+    return w
+
+
+@dataclass(frozen=True)
+class Case:
+    args: Callable  # (workspace, dataset) -> argv after `fastanchor`
+    message: str  # expected in the error line; {w} is the workspace
+    writes: bool = False  # the case may add new files (never change existing ones)
+
+
+def train(w, data, **overrides):
+    return ["train", *tiny_overrides(data, w / "runs", **overrides)]
+
+
+def folder(path):
+    return {"data.dataset": "folder", "data.root": path}
+
+
+def first_image(path, name):
+    return f"{first_class(path) / name}"
+
+
+CASES = {
+    # --- config values ---
+    "alpha above 1": Case(lambda w, d: train(w, d, **{"anchor.alpha": 1.5}), "anchor.alpha = 1.5: expected a probability in [0, 1]"),
+    "alpha below 0": Case(lambda w, d: train(w, d, **{"anchor.alpha": -0.2}), "anchor.alpha = -0.2: expected a probability in [0, 1]"),
+    "unknown model": Case(lambda w, d: train(w, d, **{"model.name": "resnet_does_not_exist"}), "unknown model 'resnet_does_not_exist'"),
+    "unknown torchvision model": Case(lambda w, d: train(w, d, **{"model.name": "torchvision/resnet_nope"}), "unknown model 'torchvision/resnet_nope'"),
+    "unknown config key": Case(lambda w, d: train(w, d, **{"optim.learning_rate": 0.1}), "unknown config key 'optim.learning_rate'"),
+    "unknown section": Case(lambda w, d: train(w, d, **{"trainer.epochs": 1}), "unknown config key 'trainer.epochs'"),
+    "epochs not a number": Case(lambda w, d: train(w, d, **{"train.epochs": "three"}), "config key 'train.epochs' expects int, got 'three'"),
+    "zero epochs": Case(lambda w, d: train(w, d, **{"train.epochs": 0}), "train.epochs = 0: expected >= 1"),
+    "batch larger than dataset": Case(lambda w, d: train(w, d, **{"data.batch_size": 4096, "train.run_name": "big"}), "data.batch_size = 4096 is larger than the 48 training images"),
+    "cuda on a cpu machine": Case(lambda w, d: train(w, d, **{"train.device": "cuda"}), "CUDA is not available"),
+    "embedded resolution too small": Case(lambda w, d: train(w, d, **{"embedded.image_size": 8}), "embedded.image_size = 8: expected 32 to 256"),
+    "negative checkpoint interval": Case(lambda w, d: train(w, d, **{"train.checkpoint_interval": -5}), "train.checkpoint_interval = -5: expected >= 0 steps"),
+    "negative checkpoints kept": Case(lambda w, d: train(w, d, **{"train.keep_checkpoints": -1}), "train.keep_checkpoints = -1: expected >= 0"),
+    "unknown nan policy": Case(lambda w, d: train(w, d, **{"train.nonfinite": "ignore"}), "train.nonfinite = 'ignore': expected one of stop, skip"),
+    # --- paths ---
+    "missing data directory": Case(lambda w, d: train(w, d, **folder(w / "nowhere")), "data directory '{w}/nowhere/train' does not exist"),
+    "empty data directory": Case(lambda w, d: train(w, d, **folder(w / "empty")), "data directory '{w}/empty/train' has no class folders"),
+    "existing run directory": Case(lambda w, d: train(w, d, **{"train.run_name": "earlier"}), "run directory '{w}/runs/earlier' already exists and is not empty"),
+    "run directory is a file": Case(lambda w, d: train(w, d, **{"train.run_name": "afile"}), "run directory '{w}/runs/afile' exists and is not a directory"),
+    "unknown recipe": Case(lambda w, d: ["train", "--config", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
+    "missing recipe file": Case(lambda w, d: ["train", "--config", w / "nope.yaml"], "recipe file '{w}/nope.yaml' does not exist"),
+    "recipe not YAML": Case(lambda w, d: ["train", "--config", w / "files" / "bad.yaml"], "recipe '{w}/files/bad.yaml' is not valid YAML"),
+    # --- files and image contents ---
+    "text file among the images": Case(lambda w, d: train(w, d, **folder(w / "text")), "non-image file '{text}' among the images"),
+    "GIF bytes named .jpg": Case(lambda w, d: train(w, d, **folder(w / "gif")), "image file '{gif}' is not a valid image: expected JPG data"),
+    "empty .jpg": Case(lambda w, d: train(w, d, **folder(w / "zero")), "image file '{zero}' is empty"),
+    "truncated JPEG, found when decoded": Case(
+        lambda w, d: train(w, d, **folder(w / "truncated"), **{"train.run_name": "trunc", "data.workers": 1}),
+        "cannot decode image '{truncated}'", writes=True),
+    # --- checkpoint files ---
+    "evaluate: missing checkpoint": Case(lambda w, d: ["evaluate", "--checkpoint", w / "missing.pt"], "checkpoint '{w}/missing.pt' does not exist"),
+    "evaluate: not a checkpoint": Case(lambda w, d: ["evaluate", "--checkpoint", w / "files" / "garbage.pt"], "checkpoint '{w}/files/garbage.pt' is damaged or not a torch checkpoint"),
+    "evaluate: crafted to run code": Case(lambda w, d: ["evaluate", "--checkpoint", w / "files" / "crafted.pt"],
+                                          "checkpoint '{w}/files/crafted.pt' was refused: it would run posix.system when unpickled"),
+    "resume: crafted to run code": Case(lambda w, d: ["train", "--resume", w / "files" / "crafted.pt"],
+                                        "checkpoint '{w}/files/crafted.pt' was refused: it would run posix.system when unpickled"),
+    "resume: missing checkpoint": Case(lambda w, d: ["train", "--resume", w / "missing.pt"], "checkpoint '{w}/missing.pt' does not exist"),
+    "resume: a directory": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier"], "checkpoint '{w}/runs/earlier' is a directory: expected a checkpoint file"),
+    "resume: torn checkpoint": Case(lambda w, d: ["train", "--resume", w / "torn" / "checkpoints" / "epoch_001.pt"],
+                                    "checkpoint '{w}/torn/checkpoints/epoch_001.pt' is damaged or not a torch checkpoint"),
+    "resume: weights only": Case(lambda w, d: ["train", "--resume", w / "weights" / "checkpoints" / "epoch_001.pt"],
+                                 "checkpoint '{w}/weights/checkpoints/epoch_001.pt' cannot be resumed: it holds no training state"),
+    "resume: outside a run": Case(lambda w, d: ["train", "--resume", w / "files" / "loose.pt"], "expected a checkpoint inside a run's checkpoints/ folder"),
+    "resume: other process count": Case(lambda w, d: ["train", "--resume", w / "wide" / "checkpoints" / "epoch_001.pt"],
+                                        "was written by 2 training process(es), this run has 1"),
+    "resume: config differs": Case(lambda w, d: ["train", "--resume", "auto", *train(w, d, **EARLIER, **{"data.batch_size": 8})[1:]],
+                                   "--resume: data.batch_size = 8 differs from 16 in checkpoint '{w}/runs/earlier/checkpoints/epoch_001.pt'"),
+    "resume: PATH with another batch": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / checkpoint_name(1, 1, False),
+                                                          "--set", "data.batch_size=8"], "--resume: data.batch_size = 8 differs from 16"),
+    "resume auto without a run name": Case(lambda w, d: ["train", "--resume", "auto", *train(w, d)[1:]], "--resume auto needs train.run_name"),
+    "resume PATH with --config": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / "epoch_001.pt", "--config", "demo"],
+                                      "--config cannot be combined with --resume PATH"),
+    # --- command-line usage ---
+    "unknown command": Case(lambda w, d: ["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
+    "evaluate without --checkpoint": Case(lambda w, d: ["evaluate"], "the following arguments are required: --checkpoint (see fastanchor evaluate --help)"),
+    "unknown flag": Case(lambda w, d: ["train", "--sett", "train.epochs=1"], "unrecognized arguments: --sett train.epochs=1"),
+    "--resume without a value": Case(lambda w, d: ["train", "--resume"], "argument --resume: expected one argument"),
+    "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name, workspace, tiny_dataset):
+    if name == "cuda on a cpu machine" and torch.cuda.is_available():
+        pytest.skip("this case needs a machine without a GPU")
+    case = CASES[name]
+    damaged = {
+        "text": first_image(workspace / "text", "notes.txt"), "gif": first_image(workspace / "gif", "broken.jpg"),
+        "zero": first_image(workspace / "zero", "empty.jpg"),
+        "truncated": sorted((workspace / "truncated" / "val").rglob("*.jpg"))[0],
+    }
+    before = snapshot(workspace)
+    result = run_in_process(*case.args(workspace, tiny_dataset))
+    assert_one_line_error(result, case.message.format(w=workspace, **damaged))
+    after = snapshot(workspace)
+    assert {path: after.get(path) for path in before} == before  # nothing lost or half-overwritten
+    if not case.writes:
+        assert after == before
+    assert not (workspace / "marker").exists()  # no crafted pickle ran
+
+
+def test_resuming_a_finished_run_changes_nothing(workspace, tiny_dataset):
+    before = snapshot(workspace / "runs" / "earlier")
+    result = run_in_process("train", "--resume", "auto", *tiny_overrides(tiny_dataset, workspace / "runs", **EARLIER))
+    assert result.returncode == 0, result.stderr
+    assert "nothing left to train" in result.stdout
+    assert snapshot(workspace / "runs" / "earlier") == before
+    assert len(CASES) >= 25

@@ -1,15 +1,18 @@
 """Configuration as data: dataclasses, YAML recipes, `key=value` overrides, validated once.
 
 A recipe is a YAML file with one mapping per section (``data``, ``model``, ``anchor``, ...).
-Recipes shipped under ``configs/`` are found by name (``demo``); any other path is read as a
-file. ``--set section.key=value`` overrides are parsed as YAML scalars or lists.
+Recipes shipped under ``configs/`` are found by name (``demo``, ``imagenet/rn50_24_epochs``); any
+other path is read as a file. A recipe may name another as its ``base:`` (a name or a path relative
+to its own file; a list for several, later ones winning): the base's mapping is read first and the
+recipe's own sections are merged over it, key by key. An ``about:`` mapping describes the recipe
+(title, the published result it aims at, its source) for `fastanchor recipes`; training ignores it.
+``--set section.key=value`` overrides are parsed as YAML scalars or lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,22 +32,43 @@ def _opt(default, help_text, **kwargs):
 
 @dataclass
 class DataConfig:
-    dataset: str = _opt("embedded", "'embedded' (generated procedurally into data.root) or 'folder' (your ImageFolder tree)", choices=("embedded", "folder"))
+    dataset: str = _opt("embedded", "'embedded' (generated procedurally into data.root), 'folder' (your ImageFolder tree) or 'cifar' (data.cifar_dir decoded once into data.root)", choices=("embedded", "folder", "cifar"))
+    cifar_dir: str = _opt("", "cifar: the CIFAR-10 or CIFAR-100 python-pickle directory (cifar-10-batches-py or cifar-100-python), decoded once into data.root as an ImageFolder tree of lossless PNGs (train_split from the training batches, val_split from the test batch)")
     root: str = _opt("data/embedded", "dataset root holding the split folders, each an ImageFolder tree (<split>/<class>/<image>)")
     train_split: str = _opt("train", "training split folder under data.root")
     val_split: str = _opt("val", "validation split folder under data.root")
     ood_split: str = _opt("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
-    loader: str = _opt("torchvision", "data loader: torchvision DataLoader over the ImageFolder, or FFCV over .beton files written from it (<root>/ffcv/<split>.beton, written on first use or by `prepare --format ffcv`)", choices=("torchvision", "ffcv"))
+    loader: str = _opt("torchvision", "data loader: torchvision DataLoader over the ImageFolder, FFCV over .beton files written from it (<root>/ffcv/<split>.beton, written on first use or by `prepare --format ffcv`), or NVIDIA DALI reading the ImageFolder (decoding on the CPU, or on the GPU with nvJPEG when training on CUDA)", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = _opt(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = _opt(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = _opt(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")
-    image_size: int = _opt(32, "training and evaluation crop size in pixels")
+    ffcv_write_workers: int = _opt(0, "FFCV: processes that decode and encode images while writing a .beton (0: one per CPU core)")
+    ffcv_order: str = _opt("quasi_random", "FFCV: training sample order; quasi_random (page-aware shuffle, for datasets larger than RAM) or random (a full shuffle)", choices=("quasi_random", "random"))
+    ffcv_os_cache: bool = _opt(True, "FFCV: read the .beton through the OS page cache (true: for files that fit in RAM) or FFCV's own process cache (false: for larger files, best with quasi_random)")
+    image_size: int = _opt(32, "training and evaluation crop size in pixels (evaluation always uses it, also with progressive resizing)")
+    resolution_start: int = _opt(0, "progressive resizing: training resolution up to epoch resolution_ramp_start_epoch (0 with resolution_end 0 disables progressive resizing; 0 alone means data.image_size)")
+    resolution_end: int = _opt(0, "progressive resizing: training resolution from epoch resolution_ramp_end_epoch on (0: data.image_size)")
+    resolution_ramp_start_epoch: int = _opt(0, "progressive resizing: last epoch (counted from 0) at resolution_start")
+    resolution_ramp_end_epoch: int = _opt(0, "progressive resizing: first epoch (counted from 0) at resolution_end; in between, linear, rounded to the nearest multiple of resolution_step")
+    resolution_step: int = _opt(32, "progressive resizing: intermediate resolutions are multiples of this (pixels)")
     crop_ratio: float = _opt(0.875, "evaluation centre-crop ratio: resize to image_size / crop_ratio, then crop image_size (224/256 = 0.875)")
+    train_crop: str = _opt("random_resized", "training crop: random_resized (random area in [min_scale, 1], aspect 3/4-4/3, resized to image_size) or padded (CIFAR's: pad data.crop_padding pixels of black, crop image_size at a random offset; images must be image_size already)", choices=("random_resized", "padded"))
+    crop_padding: int = _opt(4, "train_crop padded: pixels of padding on each side")
     min_scale: float = _opt(0.35, "lower bound of the random-resized-crop area scale for training")
     batch_size: int = _opt(128, "training batch size (per process)")
     eval_batch_size: int = _opt(256, "evaluation batch size")
-    workers: int = _opt(2, "data-loading worker processes (0 decodes in the main process)")
+    workers: int = _opt(2, "data-loading worker processes (0 decodes in the main process); FFCV and DALI: decoding threads (0 means 1)")
     drop_last: bool = _opt(True, "drop the last incomplete training batch")
+
+
+@dataclass
+class AugmentConfig:
+    auto_augment: str = _opt("none", "per-image augmentation policy after the crop and flip (torchvision's --auto-augment): autoaugment (ImageNet policy), randaugment, trivialaugment_wide, augmix; torchvision loader: torchvision transforms per image, DALI: nvidia.dali.auto_aug on the device (no augmix), FFCV: refused", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide", "augmix"))
+    random_erasing: float = _opt(0.0, "probability of erasing one random rectangle per training image (torchvision's RandomErasing: area 2-33%, aspect 0.3-3.3, filled with the mean colour), on the device batch before anchoring, for every loader")
+    mixup_alpha: float = _opt(0.0, "Mixup: mixing weight drawn from Beta(alpha, alpha) per batch (0 disables); applied on the device to the network input, masked samples keep their uniform target")
+    cutmix_alpha: float = _opt(0.0, "CutMix: box area fraction drawn from Beta(alpha, alpha) per batch (0 disables); the weight is corrected to the box actually pasted")
+    mix_prob: float = _opt(1.0, "probability that a batch is mixed at all (Mixup/CutMix)")
+    switch_prob: float = _opt(0.5, "with both Mixup and CutMix enabled: probability of CutMix for a mixed batch")
 
 
 @dataclass
@@ -63,6 +87,7 @@ class ModelConfig:
     name: str = _opt("fastanchor_resnet_tiny", "timm model name, or torchvision/<name> for a torchvision classification model")
     pretrained: bool = _opt(False, "start from pretrained 3-channel weights (both halves of the widened first layer get them)")
     drop_rate: float = _opt(0.0, "dropout before the classifier (timm models)")
+    blurpool: bool = _opt(False, "anti-aliased downsampling (BlurPool, timm's aa_layer: a 3x3 binomial blur before each stride) for timm ResNets (resnet18, resnet50, ...)")
 
 
 @dataclass
@@ -80,7 +105,8 @@ class AnchorConfig:
 @dataclass
 class OptimConfig:
     name: str = _opt("sgd", "optimizer: sgd (with momentum, nesterov optional) or adamw", choices=("sgd", "adamw"))
-    lr: float = _opt(0.2, "peak learning rate")
+    lr: float = _opt(0.2, "peak learning rate (at the global batch optim.lr_batch when that is set)")
+    lr_batch: int = _opt(0, "global batch size (data.batch_size x processes) at which optim.lr was tuned: the peak rate is scaled linearly to the actual global batch (Goyal et al.); 0 uses optim.lr as given")
     momentum: float = _opt(0.9, "SGD momentum")
     nesterov: bool = _opt(True, "Nesterov momentum for SGD")
     betas: list = _opt([0.9, 0.999], "AdamW betas")
@@ -88,6 +114,8 @@ class OptimConfig:
     label_smoothing: float = _opt(0.0, "label smoothing of the hard-label targets")
     schedule: str = _opt("cosine", "learning-rate schedule after warmup", choices=("cosine", "step", "linear_ramp", "constant"))
     warmup_epochs: float = _opt(1.0, "linear warmup length in epochs (cosine, step, constant)")
+    warmup_start: float = _opt(0.0, "fraction of the peak rate the linear warmup starts from (torchvision's --lr-warmup-decay; 0: just above zero)")
+    min_lr_ratio: float = _opt(0.0, "cosine: the rate decays to this fraction of the peak (torchvision's --lr-min divided by --lr)")
     milestones: list = _opt([30, 60, 80], "epochs at which the step schedule multiplies the rate by gamma")
     gamma: float = _opt(0.1, "step-schedule decay factor")
     ramp_peak_epoch: float = _opt(2.0, "linear_ramp: epoch of the peak (linear up from lr*ramp_start, then linear down to 0)")
@@ -107,16 +135,38 @@ class TrainConfig:
     threads: int = _opt(0, "torch CPU threads (0 keeps torch's default)")
     out_dir: str = _opt("runs", "directory under which the run directory is created")
     run_name: str = _opt("", "run directory name under out_dir (default: <model>-<standard|anchored>-<time>)")
-    log_interval: int = _opt(20, "steps between metric lines in metrics.jsonl")
+    log_interval: int = _opt(20, "steps between metric lines in metrics.jsonl; the loss is read from the device (and checked for nan/inf) only at these steps")
     progress: bool = _opt(True, "show progress bars with images/s")
+    checkpoint_interval: int = _opt(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch); any checkpoint resumes exactly (--resume)")
+    keep_checkpoints: int = _opt(0, "newest checkpoints kept in <run>/checkpoints, mid-epoch and end-of-epoch alike; older ones are deleted (0 keeps all)")
+    nonfinite: str = _opt("stop", "on a nan/inf loss: stop the run naming the step (the last good checkpoint is kept), or skip that step's update (one device sync per step; skipped steps are counted in metrics.jsonl)", choices=("stop", "skip"))
+    deterministic: bool = _opt(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off): bitwise-reproducible runs and resumes on the same machine, slower on GPU")
+    sync_bn: bool = _opt(False, "under torchrun with several processes on CUDA: synchronise BatchNorm statistics across processes (SyncBatchNorm)")
+    max_steps: int = _opt(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch); smoke-tests a recipe end to end")
 
 
 @dataclass
 class EvalConfig:
     corruptions: list = _opt(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
-    severities: list = _opt([2, 4], "corruption severities (1 to 5)")
+    corruptions_bar: list = _opt(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split (our implementation of the published definitions)")
+    severities: list = _opt([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = _opt(5, "K references per test sample for the mean prediction and the std score (anchored models)")
-    seed: int = _opt(0, "seed of corruptions and of reference draws at evaluation")
+    seed: int = _opt(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
+    blt: bool = _opt(True, "also evaluate bilinear transduction (per-sample reference search) on the validation split (anchored models)")
+    blt_candidates: int = _opt(50, "BLT: candidate references searched per batch (a random subset of the inference reference set)")
+    blt_residuals: int = _opt(1000, "BLT: training residuals r_a - r_b compared against, drawn from pairs of the inference reference set")
+    c_root: str = _opt("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
+    c_bar_root: str = _opt("", "pre-generated ImageNet-C-bar tree, severity folders 1-5 or the published levels ('' to skip)")
+    cifar_c_root: str = _opt("", "CIFAR-10/100-C folder of <corruption>.npy (5 severities x N) and labels.npy ('' to skip)")
+    imagenet_r: str = _opt("", "ImageNet-R ImageFolder, evaluated with the 200-class logit mask ('' to skip)")
+    datasets: list = _opt([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
+    ood_sets: list = _opt([], "OOD ImageFolders for anomaly rejection besides data.ood_split (Textures, Places365, NINCO...), as name=path")
+    ood_positive: str = _opt("id", "positive class of AUPR and FPR95: id (SFT/RankFeat papers) or ood (pytorch-ood, OpenOOD v1.5)", choices=("id", "ood"))
+    react_percentile: float = _opt(90.0, "ReAct: clip penultimate activations at this percentile of their values on the inference reference set (training images)")
+    ece_bins: int = _opt(15, "equal-width confidence bins of the binned ECE")
+    max_images: int = _opt(0, "evaluate at most this many images per set, a seeded random subset (0: all)")
+    plots: bool = _opt(True, "write reliability diagram, OOD score histograms and accuracy vs severity under <run>/plots/")
+    flip_tta: bool = _opt(False, "test-time augmentation: average the logits of each image and its horizontal mirror (FFCV's lr_tta), in validation and evaluation")
 
 
 @dataclass
@@ -136,6 +186,7 @@ class FinetuneOODConfig:
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
@@ -186,6 +237,11 @@ def _coerce(key: str, value, f: dataclasses.Field, section_cls: type):
     elif origin is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif origin is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -237,29 +293,77 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-def resolve_recipe(recipe: str) -> Path:
+RESERVED_KEYS = ("base", "about")  # recipe-file keys that are not config sections
+
+
+def recipe_names() -> list[str]:
+    """Every recipe shipped under configs/, by name (bases, whose file names start with '_', left out)."""
+    return sorted(p.relative_to(RECIPE_DIR).with_suffix("").as_posix() for p in RECIPE_DIR.rglob("*.yaml")
+                  if not p.name.startswith("_"))
+
+
+def resolve_recipe(recipe: str, relative_to: Path | None = None) -> Path:
+    """The file of a recipe: a name under configs/ (``imagenet/rn50_24_epochs``) or a YAML path
+    (relative to `relative_to`, the directory of the recipe naming it as its base, when given)."""
     path = Path(recipe)
-    if path.suffix in (".yaml", ".yml") or os.sep in recipe:
+    if relative_to is not None and not path.is_absolute():
+        path = relative_to / path
+    if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise ConfigError(f"recipe file '{recipe}' does not exist")
+            raise ConfigError(f"recipe file '{path}' does not exist")
         return path
     named = RECIPE_DIR / f"{recipe}.yaml"
-    if not named.is_file():
-        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown recipe '{recipe}': expected a YAML file or one of {', '.join(known)}")
-    return named
+    if named.is_file():
+        return named
+    if path.is_file():
+        return path
+    close = difflib.get_close_matches(recipe, recipe_names(), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else "`fastanchor recipes` lists them"
+    raise ConfigError(f"unknown recipe '{recipe}': expected a YAML file or a recipe name under configs/ ({hint})")
+
+
+def merge_mappings(base: dict, override: dict) -> dict:
+    """`override` merged over `base`: nested mappings key by key, anything else replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_mappings(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_recipe(recipe: str, relative_to: Path | None = None, _chain: tuple[Path, ...] = ()) -> dict:
+    """The recipe's mapping with its bases merged in (``base`` removed; ``about`` kept)."""
+    path = resolve_recipe(recipe, relative_to).resolve()
+    if path in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise ConfigError(f"recipe '{path}' is its own base: {cycle}")
+    try:
+        mapping = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"recipe '{path}' is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"recipe '{path}': expected a mapping of sections ({', '.join(SECTIONS)}), got {type(mapping).__name__}")
+    bases = mapping.pop("base", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"recipe '{path}': base = {bases!r}: expected a recipe name or file, or a list of them")
+    merged: dict = {}
+    for base in bases:
+        merged = merge_mappings(merged, read_recipe(base, path.parent, (*_chain, path)))
+    return merge_mappings(merged, mapping)
 
 
 def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Build a validated Config from an optional recipe and `key=value` overrides."""
     config = Config()
     if recipe:
-        path = resolve_recipe(recipe)
-        try:
-            mapping = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"recipe '{path}' is not valid YAML: {str(error).splitlines()[0]}") from None
-        apply_mapping(config, mapping, str(path))
+        mapping = read_recipe(recipe)
+        about = mapping.pop("about", {})
+        if not isinstance(about, dict):
+            raise ConfigError(f"recipe '{recipe}': about = {about!r}: expected a mapping (title, aims_at, source, ...)")
+        apply_mapping(config, mapping, str(resolve_recipe(recipe)))
     for text in overrides:
         set_value(config, *parse_override(text))
     validate(config)
@@ -285,13 +389,14 @@ def validate(config: Config) -> None:
             choices = f.metadata.get("choices")
             value = getattr(getattr(config, section), name)
             _check(not choices or value in choices, f"{section}.{name} = {value!r}: expected one of {', '.join(choices or ())}")
-    d, a, o, t, e = config.data, config.anchor, config.optim, config.train, config.eval
+    d, a, o, t, e, g = config.data, config.anchor, config.optim, config.train, config.eval, config.augment
     _check(0.0 <= a.alpha <= 1.0, f"anchor.alpha = {a.alpha}: expected a probability in [0, 1]")
     _check(a.bank_size >= 1, f"anchor.bank_size = {a.bank_size}: expected >= 1")
     _check(a.fixed_size >= 1, f"anchor.fixed_size = {a.fixed_size}: expected >= 1")
     _check(a.inference_references >= 1, f"anchor.inference_references = {a.inference_references}: expected >= 1")
     _check(16 <= d.image_size <= 1024, f"data.image_size = {d.image_size}: expected 16 to 1024 pixels")
     _check(0.0 < d.crop_ratio <= 1.0, f"data.crop_ratio = {d.crop_ratio}: expected a ratio in (0, 1]")
+    _check(0 <= d.crop_padding <= d.image_size, f"data.crop_padding = {d.crop_padding}: expected 0 to data.image_size pixels")
     _check(0.0 < d.min_scale <= 1.0, f"data.min_scale = {d.min_scale}: expected a scale in (0, 1]")
     _check(d.batch_size >= 1, f"data.batch_size = {d.batch_size}: expected >= 1")
     _check(not (a.enabled and a.references == "derangement" and d.batch_size < 2),
@@ -301,14 +406,39 @@ def validate(config: Config) -> None:
     _check(d.ffcv_max_resolution >= 0, f"data.ffcv_max_resolution = {d.ffcv_max_resolution}: expected >= 0")
     _check(1 <= d.ffcv_jpeg_quality <= 100, f"data.ffcv_jpeg_quality = {d.ffcv_jpeg_quality}: expected 1 to 100")
     _check(0.0 <= d.ffcv_compress_probability <= 1.0, f"data.ffcv_compress_probability = {d.ffcv_compress_probability}: expected [0, 1]")
+    _check(d.train_split != d.val_split, f"data.val_split = {d.val_split!r}: expected a split other than data.train_split")
+    _check(d.ffcv_write_workers >= 0, f"data.ffcv_write_workers = {d.ffcv_write_workers}: expected >= 0")
+    _check(d.dataset != "cifar" or d.cifar_dir != "", "data.dataset = 'cifar' needs data.cifar_dir: the CIFAR python-pickle directory")
+    for name in ("resolution_start", "resolution_end"):
+        value = getattr(d, name)
+        _check(value == 0 or 16 <= value <= 1024, f"data.{name} = {value}: expected 0 (data.image_size) or 16 to 1024 pixels")
+    _check(0 <= d.resolution_ramp_start_epoch <= d.resolution_ramp_end_epoch,
+           f"data.resolution_ramp_start_epoch = {d.resolution_ramp_start_epoch}, data.resolution_ramp_end_epoch = "
+           f"{d.resolution_ramp_end_epoch}: expected 0 <= start <= end")
+    _check(d.resolution_step >= 1, f"data.resolution_step = {d.resolution_step}: expected >= 1 pixel")
+    _check(not (d.resolution_start or d.resolution_end) or not (a.enabled and a.references == "fixed"),
+           "anchor.references = 'fixed' holds references at data.image_size: progressive resizing (data.resolution_start/end) "
+           "needs derangement or bank references")
     _check(o.lr > 0, f"optim.lr = {o.lr}: expected > 0")
     _check(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay}: expected >= 0")
     _check(0.0 <= o.label_smoothing < 1.0, f"optim.label_smoothing = {o.label_smoothing}: expected [0, 1)")
     _check(0.0 <= o.ema_decay < 1.0, f"optim.ema_decay = {o.ema_decay}: expected [0, 1)")
     _check(o.warmup_epochs >= 0, f"optim.warmup_epochs = {o.warmup_epochs}: expected >= 0")
+    _check(0.0 <= o.warmup_start <= 1.0, f"optim.warmup_start = {o.warmup_start}: expected a fraction in [0, 1]")
+    _check(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio = {o.min_lr_ratio}: expected a fraction in [0, 1]")
+    _check(o.lr_batch >= 0, f"optim.lr_batch = {o.lr_batch}: expected a global batch size >= 1, or 0 to use optim.lr as given")
+    _check(all(isinstance(m, (int, float)) and m >= 0 for m in o.milestones), f"optim.milestones = {o.milestones}: expected epochs >= 0")
+    _check(0.0 <= g.random_erasing <= 1.0, f"augment.random_erasing = {g.random_erasing}: expected a probability in [0, 1]")
+    _check(g.mixup_alpha >= 0, f"augment.mixup_alpha = {g.mixup_alpha}: expected >= 0 (0 disables Mixup)")
+    _check(g.cutmix_alpha >= 0, f"augment.cutmix_alpha = {g.cutmix_alpha}: expected >= 0 (0 disables CutMix)")
+    _check(0.0 <= g.mix_prob <= 1.0, f"augment.mix_prob = {g.mix_prob}: expected a probability in [0, 1]")
+    _check(0.0 <= g.switch_prob <= 1.0, f"augment.switch_prob = {g.switch_prob}: expected a probability in [0, 1]")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas = {o.betas}: expected two values in [0, 1)")
     _check(t.epochs >= 1, f"train.epochs = {t.epochs}: expected >= 1")
     _check(t.log_interval >= 1, f"train.log_interval = {t.log_interval}: expected >= 1")
+    _check(t.checkpoint_interval >= 0, f"train.checkpoint_interval = {t.checkpoint_interval}: expected >= 0 steps (0: end of epoch only)")
+    _check(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints}: expected >= 0 (0 keeps all)")
+    _check(t.max_steps >= 0, f"train.max_steps = {t.max_steps}: expected >= 0 (0: train every epoch)")
     _check(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
            f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")
     _check(all(isinstance(s, int) and 1 <= s <= 5 for s in e.severities), f"eval.severities = {e.severities}: expected integers 1 to 5")
@@ -327,6 +457,22 @@ def validate(config: Config) -> None:
     from fastanchor.trainer.models import check_model_name  # imported late: timm is slow to import
 
     check_model_name(config.model.name)
-    from fastanchor.pipeline.corruptions import check_corruption_names
+    if config.model.blurpool:
+        from fastanchor.trainer.models import check_blurpool
+
+        check_blurpool(config.model.name)
+    from fastanchor.pipeline.data import check_loader_supports
+
+    check_loader_supports(config)
+    _check(e.blt_candidates >= 1, f"eval.blt_candidates = {e.blt_candidates}: expected >= 1")
+    _check(e.blt_residuals >= 1, f"eval.blt_residuals = {e.blt_residuals}: expected >= 1")
+    _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
+    _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
+    _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
+    from fastanchor.pipeline.corruptions import IMAGENET_C_BAR_CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.eval_sets import check_named_paths
 
     check_corruption_names(e.corruptions)
+    check_corruption_names(e.corruptions_bar, IMAGENET_C_BAR_CORRUPTIONS, "ImageNet-C-bar corruption")
+    check_named_paths(e.datasets, "eval.datasets")
+    check_named_paths(e.ood_sets, "eval.ood_sets")

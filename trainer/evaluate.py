@@ -1,29 +1,70 @@
-"""Evaluate a checkpoint: ID accuracy, accuracy under corruptions, anomaly rejection (AUROC).
+"""Evaluate a checkpoint: the papers' generalisation, calibration and anomaly-rejection measures.
 
-Anchored models are evaluated with one random reference from the checkpoint's inference
-reference set (the paper's default) for accuracy, and with K references for the mean
-prediction and the std uncertainty score.
+- Inference protocols on the validation split: one random reference (the paper's default, used
+  for every other number), K references (mean prediction; std score), BLT; time per 1000 samples
+  of each (model, anchoring and search; decoding excluded).
+- Generalisation: ID top-1/top-5; top-1 per shift set (on-the-fly ImageNet-C and -C-bar
+  corruptions, pre-generated trees, CIFAR-C arrays, ImageNet-R with its 200-class mask, other
+  ImageFolders), with the mean per benchmark and severity.
+- Calibration: smoothed ECE, binned ECE and NLL on ID; smECE and ECE per shift set and their mean
+  and std across shift sets (the paper's Table 3).
+- Anomaly rejection: energy (T = 1), MSP, MaxLogit, ReAct and the anchored std over K references,
+  scored from the K-reference mean logits; AUROC, AUPR and FPR95 per OOD set under the convention
+  named in the output.
+
+The training-time statistics that BLT and ReAct need come from the checkpoint's inference
+reference set (a uniform sample of the training images, saved with every checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from fastanchor.pipeline.data import eval_loader, split_index
+from fastanchor.pipeline.eval_sets import EvalSet, loader_for, ood_sets, shift_sets, subset
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import Corruption
+from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.trainer.checkpoint import atomic_write_bytes, load_checkpoint
-from fastanchor.trainer.config import Config, config_from_dict, set_value, parse_override, validate
-from fastanchor.trainer.errors import DataError
-from fastanchor.trainer.inference import predict
-from fastanchor.trainer.metrics import auroc, energy_score, maxlogit_score, msp_score, topk_correct
-from fastanchor.trainer.models import create_model
+from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
+from fastanchor.trainer.errors import ConfigError
+from fastanchor.trainer.features import PenultimateTap, react_threshold
+from fastanchor.trainer.inference import BilinearTransduction, predict
+from fastanchor.trainer.metrics import (
+    aupr,
+    auroc,
+    binned_ece,
+    confidences_and_outcomes,
+    energy_score,
+    fpr_at_tpr,
+    maxlogit_score,
+    msp_score,
+    negative_log_likelihood,
+    smooth_ece,
+    topk_correct,
+)
+from fastanchor.trainer.models import ModelError, create_model
 from fastanchor.trainer.train import resolve_device
+
+CONVENTIONS = {
+    "id": ("ID is the positive class (the SFT and RankFeat papers' convention): every score is higher for more "
+           "in-distribution inputs; FPR95 is the fraction of OOD samples scoring at or above the threshold that keeps "
+           "95% of ID samples; AUPR is average precision with ID positive (AUPR-In); AUROC is the same under both "
+           "conventions"),
+    "ood": ("OOD is the positive class (the pytorch-ood and OpenOOD v1.5 convention): scores are negated so that "
+            "higher means more anomalous; FPR95 is the fraction of ID samples flagged as OOD at the threshold that "
+            "flags 95% of OOD samples; AUPR is average precision with OOD positive (AUPR-Out); AUROC is the same "
+            "under both conventions"),
+}
 
 
 def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> tuple[torch.nn.Module, Config, dict]:
@@ -41,80 +82,310 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
     return model, config, state
 
 
-@torch.no_grad()
-def collect(model, loader, *, anchored: bool, references, num_references: int, seed: int, desc: str, progress: bool):
-    """Run the model over a loader; return logits, probs, std score, labels (all on the CPU)."""
-    generator = torch.Generator().manual_seed(seed)
-    parts = {"logits": [], "probs": [], "std": [], "labels": []}
-    started, seen = time.perf_counter(), 0
+@dataclass
+class Outputs:
+    """A protocol's outputs over a set, on the CPU."""
+    logits: torch.Tensor  # [N, C]
+    probs: torch.Tensor  # [N, C]
+    std: torch.Tensor  # [N] anchored std score (0 for one reference)
+    labels: torch.Tensor  # [N]
+    react_logits: torch.Tensor | None  # [N, C] logits from clipped penultimate features (ReAct), when tapped
+    seconds: float  # time inside the protocol, over `timed_images` images
+    timed_images: int
+
+    @property
+    def ms_per_1000(self) -> float:
+        return 1e6 * self.seconds / max(self.timed_images, 1)
+
+    def restricted(self, classes: tuple[int, ...] | None) -> "Outputs":
+        """The outputs over a subset of the classes (ImageNet-R's 200), probabilities renormalised."""
+        if classes is None:
+            return self
+        index = torch.tensor(classes)
+        logits = self.logits[:, index]
+        return Outputs(logits, logits.softmax(-1), self.std, self.labels, None, self.seconds, self.timed_images)
+
+
+def run_protocol(protocol, loader, *, desc: str, progress: bool, tap: PenultimateTap | None = None) -> Outputs:
+    """Apply `protocol(images) -> Prediction` over a loader; time only the protocol, the first batch
+    being a warm-up that is not timed when there are more."""
+    parts = {"logits": [], "probs": [], "std": [], "labels": [], "react": []}
+    timings = []  # (seconds, images) per batch
     bar = tqdm(loader, desc=desc, leave=False, disable=not progress, unit="batch")
     for images, labels in bar:
-        p = predict(model, images, anchored=anchored, references=references, num_references=num_references,
-                    generator=generator)
-        for key, value in zip(("logits", "probs", "std", "labels"), (p.logits, p.probs, p.std, labels)):
-            parts[key].append(value.cpu())
-        seen += labels.numel()
-        bar.set_postfix(img_s=f"{seen / (time.perf_counter() - started):.0f}")
-    out = {key: torch.cat(value) for key, value in parts.items()}
-    out["ms_per_1000"] = 1e6 * (time.perf_counter() - started) / max(seen, 1)
-    return out
+        started = time.perf_counter()
+        prediction = protocol(images)
+        if images.is_cuda:
+            torch.cuda.synchronize(images.device)
+        timings.append((time.perf_counter() - started, labels.numel()))
+        for key, value in (("logits", prediction.logits), ("probs", prediction.probs), ("std", prediction.std),
+                           ("labels", labels)):
+            parts[key].append(value.float().cpu() if key != "labels" else value.cpu())
+        if tap is not None and tap.clip_at is not None:
+            parts["react"].append(tap.take_clipped_logits().cpu())
+        seconds, seen = map(sum, zip(*timings))
+        bar.set_postfix(img_s=f"{seen / max(seconds, 1e-9):.0f}")
+    if not timings:
+        raise ValueError(f"{desc}: the loader yielded no images")
+    timed = timings[1:] or timings
+    joined = {key: torch.cat(value) if value else None for key, value in parts.items()}
+    return Outputs(joined["logits"], joined["probs"], joined["std"], joined["labels"], joined["react"],
+                   seconds=sum(t for t, _ in timed), timed_images=sum(n for _, n in timed))
 
 
-def accuracy(outputs: dict) -> dict:
-    hits = topk_correct(outputs["logits"], outputs["labels"])
-    n = outputs["labels"].numel()
-    return {"top1": 100.0 * hits[1] / n, "top5": 100.0 * hits[5] / n}
+def collect(model, loader, *, anchored: bool, references, num_references: int, seed: int, desc: str, progress: bool) -> dict:
+    """K-reference (or standard) inference over a loader: logits, probs, std, labels and ms_per_1000."""
+    generator = torch.Generator().manual_seed(seed)
+    out = run_protocol(lambda images: predict(model, images, anchored=anchored, references=references,
+                                              num_references=num_references, generator=generator),
+                       loader, desc=desc, progress=progress)
+    return {"logits": out.logits, "probs": out.probs, "std": out.std, "labels": out.labels, "ms_per_1000": out.ms_per_1000}
+
+
+def accuracy(outputs) -> dict:
+    logits, labels = (outputs.logits, outputs.labels) if isinstance(outputs, Outputs) else (outputs["logits"], outputs["labels"])
+    hits = topk_correct(logits, labels)
+    return {"top1": 100.0 * hits[1] / labels.numel(), "top5": 100.0 * hits[5] / labels.numel()}
+
+
+def calibration(outputs: Outputs, bins: int) -> dict:
+    probs, labels = outputs.probs.double().numpy(), outputs.labels.numpy()
+    return {"smece": smooth_ece(probs, labels), "ece": binned_ece(probs, labels, bins)}
+
+
+def ood_scores(outputs: Outputs, anchored_std: bool) -> dict[str, np.ndarray]:
+    """Every anomaly score of a set, higher = more in-distribution."""
+    scores = {"energy": energy_score(outputs.logits), "msp": msp_score(outputs.logits),
+              "maxlogit": maxlogit_score(outputs.logits)}
+    if outputs.react_logits is not None:
+        scores["react"] = energy_score(outputs.react_logits)
+    if anchored_std:
+        scores["anchored_std"] = -outputs.std
+    return {name: value.double().numpy() for name, value in scores.items()}
+
+
+def rejection_metrics(id_scores: np.ndarray, ood_scores_: np.ndarray, positive: str) -> dict:
+    return {"auroc": auroc(id_scores, ood_scores_), "aupr": aupr(id_scores, ood_scores_, positive=positive),
+            "fpr95": fpr_at_tpr(id_scores, ood_scores_, 0.95, positive=positive)}
+
+
+def mean_std(values) -> tuple[float | None, float | None]:
+    """Mean and population standard deviation (ddof 0); None for no values."""
+    if not values:
+        return None, None
+    return float(np.mean(values)), float(np.std(values))
+
+
+class Evaluator:
+    """The model, its reference set and the protocols, with the seeds and progress bars of one evaluation."""
+
+    def __init__(self, model, config: Config, state: dict, device: torch.device, progress: bool):
+        self.model, self.config, self.progress = model, config, progress
+        self.anchored = config.anchor.enabled
+        self.num_classes = len(state["classes"])
+        self.reference_images = state["reference_images"].to(device)
+        self.references = FixedReferenceSet(self.reference_images) if self.anchored else None
+        e = config.eval
+        self.k = e.num_references if self.anchored else 1
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.config.eval.seed)
+
+    def references_protocol(self, num_references: int):
+        generator = self.generator()
+        return lambda images: predict(self.model, images, anchored=self.anchored, references=self.references,
+                                      num_references=num_references, generator=generator, flip=self.config.eval.flip_tta)
+
+    def blt_protocol(self):
+        e = self.config.eval
+        blt = BilinearTransduction(self.references, num_residuals=e.blt_residuals, num_candidates=e.blt_candidates,
+                                   generator=self.generator())
+        generator = self.generator()
+        return lambda images: blt.predict(self.model, images, generator, flip=self.config.eval.flip_tta)
+
+    def run(self, protocol, loader, desc: str, tap: PenultimateTap | None = None) -> Outputs:
+        return run_protocol(protocol, loader, desc=desc, progress=self.progress, tap=tap)
+
+    def react_tap(self) -> PenultimateTap | None:
+        """A tap clipping at the ReAct threshold estimated on the reference images (training images), or None
+        (with a warning) for a model whose logits do not come straight from a Linear layer."""
+        d, e = self.config.data, self.config.eval
+        try:
+            tap = PenultimateTap(self.model, self.num_classes, clip_at=float("inf"), keep_features=True)
+        except ModelError as error:
+            warnings.warn(f"ReAct is skipped: {error}")
+            return None
+        loader = [(self.reference_images[i:i + d.eval_batch_size], torch.zeros(0))
+                  for i in range(0, len(self.reference_images), d.eval_batch_size)]
+        protocol = self.references_protocol(1)
+        with tap:
+            for images, _ in loader:
+                logits = protocol(images).logits
+                try:
+                    tap.check_is_last_layer(logits)
+                except ModelError as error:
+                    warnings.warn(f"ReAct is skipped: {error}")
+                    return None
+                tap.take_clipped_logits()
+        tap.clip_at = react_threshold(tap.features, e.react_percentile)
+        tap.keep_features = False
+        tap.features.clear()
+        return tap
 
 
 def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", progress: bool = True) -> dict:
-    """Evaluate one checkpoint; the result is also written to <run>/eval.json."""
+    """Evaluate one checkpoint; the result is also written to <run>/eval.json, its plots under <run>/plots/."""
     path = Path(path)
     device = resolve_device(device)
     model, config, state = load_for_inference(path, device, overrides)
-    anchored, e, d = config.anchor.enabled, config.eval, config.data
-    references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
-    val_index = split_index(d, d.val_split, tuple(state["classes"]))
-    run = lambda loader, desc, k=1: collect(model, loader, anchored=anchored, references=references,  # noqa: E731
-                                            num_references=k, seed=e.seed, desc=desc, progress=progress)
-    k = e.num_references if anchored else 1
+    e, d = config.eval, config.data
+    classes = tuple(state["classes"])
 
-    clean = run(eval_loader(d, val_index, device), "clean")
-    result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
-              "id": accuracy(clean), "ms_per_1000": {"one_reference": clean["ms_per_1000"]}}
-    clean_k = run(eval_loader(d, val_index, device), f"clean K={k}", k) if k > 1 else clean
-    result["id"][f"top1_k{k}"] = accuracy(clean_k)["top1"]
-    result["ms_per_1000"][f"k{k}"] = clean_k["ms_per_1000"]
+    # every set is found and checked before the model runs
+    val_index = split_index(d, d.val_split, classes)
+    shifts = shift_sets(config, val_index, classes)
+    oods = ood_sets(config)
+    if e.max_images:  # a subset: decoded by the torchvision path like every other set
+        dataset = subset(DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio)), e.max_images, e.seed)
+        id_loader = lambda: loader_for(dataset, d, device)  # noqa: E731
+    else:
+        id_loader = lambda: eval_loader(d, val_index, device)  # noqa: E731
 
-    result["corruptions"] = {}
-    for name in e.corruptions:
-        for severity in e.severities:
-            loader = eval_loader(d, val_index, device, Corruption(name, severity, e.seed))
-            result["corruptions"][f"{name}@{severity}"] = accuracy(run(loader, f"{name}@{severity}"))["top1"]
+    ev = Evaluator(model, config, state, device, progress and config.train.progress)
+    anchored, k = ev.anchored, ev.k
+    if anchored and e.blt and len(ev.references) < 2:
+        raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
+                          "(anchor.inference_references): set eval.blt=false")
+    result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch")}
+
+    # --- inference protocols on the validation split ----------------------------------------------
+    tap = ev.react_tap() if oods else None
+    clean = ev.run(ev.references_protocol(1), id_loader(), "validation") if k > 1 else None
+    with tap or contextlib.nullcontext():  # the K-reference pass also gives ReAct's logits for anomaly rejection
+        clean_k = ev.run(ev.references_protocol(k), id_loader(), f"validation K={k}", tap)
+    clean = clean or clean_k
+    result["id"] = {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"], **calibration(clean, e.ece_bins),
+                    "nll": negative_log_likelihood(clean.probs.double().numpy(), clean.labels.numpy()),
+                    "images": clean.labels.numel()}
+    result["ms_per_1000"] = {"one_reference": clean.ms_per_1000, f"k{k}": clean_k.ms_per_1000}
+    if anchored and e.blt:
+        blt = ev.run(ev.blt_protocol(), id_loader(), "validation BLT")
+        result["id"]["top1_blt"] = accuracy(blt)["top1"]
+        result["ms_per_1000"]["blt"] = blt.ms_per_1000
+    if anchored:
+        result["protocols"] = (f"ID accuracy, calibration and every shift set use one random reference per sample; "
+                               f"top1_k{k} and the anomaly scores use the mean logits over K = {k} references; "
+                               + ("top1_blt uses bilinear transduction; " if e.blt else "")
+                               + "ms_per_1000 is the time per 1000 validation images inside each protocol")
+    else:
+        result["protocols"] = "a standard model: one forward pass per image; ms_per_1000 is its time per 1000 images"
+
+    # --- generalisation and calibration under shift -------------------------------------------------
+    shift_results = {}
+    reliability_groups = {"validation": [confidences_and_outcomes(clean.probs.double().numpy(), clean.labels.numpy())]}
+    for eval_set in shifts:
+        outputs = ev.run(ev.references_protocol(1), loader_for(eval_set.dataset, d, device), eval_set.name)
+        outputs = outputs.restricted(eval_set.class_subset)
+        shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(outputs), **calibration(outputs, e.ece_bins)}
+        group = eval_set.benchmark if eval_set.kind == "corruption" else eval_set.name  # corruptions pooled per benchmark
+        reliability_groups.setdefault(group, []).append(
+            confidences_and_outcomes(outputs.probs.double().numpy(), outputs.labels.numpy()))
+    result["shifts"] = shift_results
+    result["corruptions"] = {name: r["top1"] for name, r in shift_results.items() if r["kind"] == "corruption"}
     if result["corruptions"]:
-        values = list(result["corruptions"].values())
-        result["corruption_mean_top1"] = sum(values) / len(values)
+        result["corruption_mean_top1"] = float(np.mean(list(result["corruptions"].values())))
+    result["severity_mean_top1"] = severity_means(shift_results)
+    smece_mean, smece_std = mean_std([r["smece"] for r in shift_results.values()])
+    ece_mean, ece_std = mean_std([r["ece"] for r in shift_results.values()])
+    result["calibration"] = {"smece_mean": smece_mean, "smece_std": smece_std, "ece_mean": ece_mean, "ece_std": ece_std,
+                             "over": list(shift_results), "std": "population standard deviation (ddof 0) across the sets"}
 
-    if d.ood_split:
-        ood_root = Path(d.root) / d.ood_split
-        if not ood_root.is_dir():
-            raise DataError(f"OOD split '{ood_root}' does not exist: set data.ood_split='' to skip anomaly rejection")
-        from fastanchor.pipeline.imagefolder import scan_image_folder
+    # --- anomaly rejection ----------------------------------------------------------------------------
+    if oods:
+        result["ood"], ood_score_values = anomaly_rejection(ev, oods, clean_k, tap, d, device)
+        result["ood"]["scores_file"] = write_ood_scores(path, ood_score_values)
+    else:
+        ood_score_values = None
 
-        ood = run(eval_loader(d, scan_image_folder(ood_root), device), f"ood K={k}", k)
-        scores = {"energy": energy_score, "msp": msp_score, "maxlogit": maxlogit_score}
-        result["ood"] = {"convention": "AUROC with ID as the positive class (higher score = more in-distribution)",
-                         "auroc": {name: auroc(fn(clean_k["logits"]), fn(ood["logits"])) for name, fn in scores.items()}}
-        if anchored and k > 1:
-            result["ood"]["auroc"]["anchored_std"] = auroc(-clean_k["std"], -ood["std"])
-
+    if e.plots:
+        result["plots"] = write_plots(path, result, reliability_groups, ood_score_values, e.ece_bins)
     atomic_write_bytes(result_path(path), lambda handle: handle.write(json.dumps(result, indent=2).encode()))
     return result
+
+
+def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], clean_k: Outputs, tap, data, device) -> tuple[dict, dict]:
+    positive = ev.config.eval.ood_positive
+    anchored_std = ev.anchored and ev.k > 1
+    id_scores = ood_scores(clean_k, anchored_std)
+    per_set, values = {}, {"id": id_scores, "ood": {}}
+    with tap or contextlib.nullcontext():
+        for eval_set in oods:
+            outputs = ev.run(ev.references_protocol(ev.k), loader_for(eval_set.dataset, data, device), f"{eval_set.name} K={ev.k}", tap)
+            scores = ood_scores(outputs, anchored_std)
+            values["ood"][eval_set.name] = scores
+            per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], positive) for name in scores}
+    names = list(id_scores)
+    summary = {"convention": CONVENTIONS[positive], "positive": positive,
+               "scores_from": f"mean logits over K = {ev.k} references" if ev.anchored else "the model's logits",
+               "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
+               "over": list(per_set), "sets": per_set,
+               "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
+                               for metric in ("auroc", "aupr", "fpr95")} for name in names}}
+    if "react" in names:
+        summary["react_threshold"] = tap.clip_at
+    return summary, values
+
+
+def write_ood_scores(checkpoint: Path, values: dict) -> str:
+    """Per-sample scores beside eval.json (`ood_scores.npz`: arrays "id/<score>" and "<ood set>/<score>"),
+    for histograms drawn later; returns the file's path relative to the run directory."""
+    arrays = {f"id/{score}": v for score, v in values["id"].items()}
+    arrays.update({f"{name}/{score}": v for name, scores in values["ood"].items() for score, v in scores.items()})
+    target = result_path(checkpoint)
+    target = target.with_name("ood_scores.npz" if target.name == "eval.json" else target.name.replace(".eval.json", ".ood_scores.npz"))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(target, lambda handle: handle.write(buffer.getvalue()))
+    return str(target.relative_to(run_directory_of(checkpoint)))
+
+
+def severity_means(shift_results: dict) -> dict:
+    """{benchmark: {severity: mean top-1 over its corruptions}} for the corruption sets."""
+    grouped: dict[str, dict[int, list[float]]] = {}
+    for r in shift_results.values():
+        if r["kind"] == "corruption":
+            grouped.setdefault(r["benchmark"], {}).setdefault(r["severity"], []).append(r["top1"])
+    return {b: {str(s): float(np.mean(v)) for s, v in sorted(by.items())} for b, by in grouped.items()}
+
+
+def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_values: dict | None, bins: int) -> dict:
+    from fastanchor.trainer.eval_plots import accuracy_against_severity, ood_score_histograms, reliability_diagram
+
+    run_dir = run_directory_of(checkpoint)
+    folder = run_dir / "plots" if result_path(checkpoint) == run_dir / "eval.json" else run_dir / "plots" / checkpoint.stem
+    plots = {}
+    groups = {name: tuple(np.concatenate(part) for part in zip(*pairs)) for name, pairs in reliability_groups.items()}
+    reliability_diagram(groups, folder / "reliability.png", bins)
+    plots["reliability"] = folder / "reliability.png"
+    if ood_values is not None:
+        ood_score_histograms(ood_values["id"], ood_values["ood"], folder / "ood_scores.png")
+        plots["ood_scores"] = folder / "ood_scores.png"
+    if result["severity_mean_top1"]:
+        by_benchmark = {b: {int(s): v for s, v in by.items()} for b, by in result["severity_mean_top1"].items()}
+        accuracy_against_severity(result["id"]["top1"], by_benchmark, folder / "accuracy_vs_severity.png")
+        plots["accuracy_vs_severity"] = folder / "accuracy_vs_severity.png"
+    return {name: str(p.relative_to(run_dir)) for name, p in plots.items()}
+
+
+def run_directory_of(checkpoint: Path) -> Path:
+    resolved = checkpoint.resolve()
+    return resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
 
 
 def result_path(checkpoint: Path) -> Path:
     """<run>/eval.json for a run's final checkpoint, <checkpoint>.eval.json for any other."""
     resolved = checkpoint.resolve()
-    run_dir = resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
+    run_dir = run_directory_of(checkpoint)
     final = run_dir / "final.pt"
     if final.exists() and final.resolve() == resolved:
         return run_dir / "eval.json"

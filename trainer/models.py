@@ -29,7 +29,7 @@ from fastanchor.trainer.errors import ConfigError
 
 __all__ = [
     "ModelError", "TORCHVISION_PREFIX", "DEMO_MODEL", "check_model_name", "create_model",
-    "find_first_layer", "find_first_layers", "widen_first_layer", "TinyResNet",
+    "find_first_layer", "find_first_layers", "widen_first_layer", "TinyResNet", "check_blurpool", "CIFAR_RESNET18",
 ]
 
 TORCHVISION_PREFIX = "torchvision/"
@@ -71,21 +71,35 @@ def check_model_name(name: str) -> None:
                      f"classification model{hint}")
 
 
+def check_blurpool(name: str) -> None:
+    """Raise ModelError unless `name` is a timm ResNet, whose blocks take an anti-aliasing layer."""
+    is_timm_resnet = (not name.startswith(TORCHVISION_PREFIX) and timm.is_model(name)
+                      and timm.models.model_entrypoint(name).__module__ == "timm.models.resnet")
+    if not is_timm_resnet:
+        raise ModelError(f"model.blurpool = true needs a timm ResNet (resnet18, resnet50, ...): {name!r} has no "
+                         f"anti-aliased downsampling option; set model.blurpool=false")
+
+
 # ----------------------------------------------------------------------------------------------
 # Building
 
 
 def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: bool = False,
-                 image_size: int | None = None, **kwargs) -> nn.Module:
+                 image_size: int | None = None, blurpool: bool = False, **kwargs) -> nn.Module:
     """Build model `name` with `num_classes` outputs; widen its first layer to 6 channels if `anchored`.
 
     `name` is a timm model, or ``torchvision/<name>`` for a torchvision classification model.
     `image_size` goes to the models whose constructor takes it (timm ``img_size``: ViT, Swin, ...;
     torchvision ``image_size``: ViT); other models ignore it. Further keyword arguments go to
     the timm factory; for torchvision models ``drop_rate`` becomes ``dropout`` where supported.
-    The dotted name of the first layer is left in ``model.fastanchor_first_layer``.
+    `blurpool` builds a timm ResNet with BlurPool anti-aliasing (timm's ``aa_layer``: the strided 3x3
+    convolutions of the blocks become stride 1 followed by a blurred stride-2 subsampling, and the stem's
+    max-pool likewise). The dotted name of the first layer is left in ``model.fastanchor_first_layer``.
     """
     check_model_name(name)
+    if blurpool:
+        check_blurpool(name)
+        kwargs["aa_layer"] = timm.layers.BlurPool2d
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes = {num_classes!r}: expected a positive integer")
     if name.startswith(TORCHVISION_PREFIX):
@@ -357,10 +371,13 @@ class TinyResNet(nn.Module):
 
 
 # Read by timm's register_model (this module's default_cfgs) and build_model_with_cfg.
+CIFAR_RESNET18 = "fastanchor_cifar_resnet18"
+_CIFAR_CFG = dict(url="", num_classes=10, input_size=(3, 32, 32), crop_pct=1.0, interpolation="bilinear",
+                  mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), first_conv="stem.conv",
+                  classifier="fc", license="apache-2.0")
 default_cfgs = {
-    DEMO_MODEL: dict(url="", num_classes=10, input_size=(3, 32, 32), pool_size=(2, 2), crop_pct=1.0,
-                     interpolation="bilinear", mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
-                     first_conv="stem.conv", classifier="fc", license="apache-2.0"),
+    DEMO_MODEL: dict(_CIFAR_CFG, pool_size=(2, 2)),
+    CIFAR_RESNET18: dict(_CIFAR_CFG, pool_size=(4, 4)),
 }
 
 
@@ -372,5 +389,18 @@ def fastanchor_resnet_tiny(pretrained: bool = False, **kwargs) -> TinyResNet:
                                 feature_cfg=dict(flatten_sequential=True), **kwargs)
 
 
-if not timm.is_model(DEMO_MODEL):  # importing twice (or under two names) must not re-register
-    register_model(fastanchor_resnet_tiny)
+def fastanchor_cifar_resnet18(pretrained: bool = False, **kwargs) -> TinyResNet:
+    """ResNet-18 for 32 px CIFAR images (He et al. 2016, the CIFAR variant of the anchoring papers' code): a stride-1
+    3x3 stem without max-pool, BasicBlocks [2, 2, 2, 2] of widths 64-512 at strides 1, 2, 4, 8 (11.2 M params at 10 classes)."""
+    if pretrained:
+        raise ModelError(f"{CIFAR_RESNET18} has no pretrained weights: set pretrained to false")
+    kwargs = {"channels": (64, 128, 256, 512), "depths": (2, 2, 2, 2), "stem_stride": 1, **kwargs}
+    return build_model_with_cfg(TinyResNet, CIFAR_RESNET18, pretrained=False,
+                                feature_cfg=dict(flatten_sequential=True), **kwargs)
+
+
+for _entrypoint in (fastanchor_resnet_tiny, fastanchor_cifar_resnet18):
+    if not timm.is_model(_entrypoint.__name__):  # importing twice (or under two names) must not re-register
+        register_model(_entrypoint)
+
+from fastanchor.trainer import wide_resnet  # noqa: E402,F401  (registers fastanchor_wrn40_2 in timm)

@@ -1,10 +1,17 @@
-"""Learning-rate schedules as pure functions of the (fractional) epoch."""
+"""Learning-rate schedules as pure functions of the (fractional) epoch, and the peak rate."""
 
 from __future__ import annotations
 
 import math
 
 from fastanchor.trainer.config import OptimConfig
+
+
+def peak_lr(optim: OptimConfig, global_batch: int) -> float:
+    """optim.lr, scaled linearly from the global batch it was tuned at (optim.lr_batch) to `global_batch`."""
+    if optim.lr_batch <= 0:
+        return optim.lr
+    return optim.lr * global_batch / optim.lr_batch
 
 
 def lr_factor(epoch: float, total_epochs: int, optim: OptimConfig) -> float:
@@ -16,10 +23,12 @@ def lr_factor(epoch: float, total_epochs: int, optim: OptimConfig) -> float:
         return max(0.0, (total_epochs - epoch) / max(total_epochs - peak, 1e-12))
     warmup = min(optim.warmup_epochs, total_epochs)
     if epoch < warmup:
-        return (epoch + 1e-3) / (warmup + 1e-3)
+        start = optim.warmup_start or 1e-3 / (warmup + 1e-3)  # 0: just above zero
+        return start + (1.0 - start) * epoch / warmup
     if optim.schedule == "cosine":
         progress = (epoch - warmup) / max(total_epochs - warmup, 1e-12)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        floor = optim.min_lr_ratio
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     if optim.schedule == "step":
         return optim.gamma ** sum(epoch >= m for m in optim.milestones)
     return 1.0

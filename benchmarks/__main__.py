@@ -1,0 +1,7 @@
+"""`python -m fastanchor.benchmarks WHAT ...` = `fastanchor bench WHAT ...`."""
+
+import sys
+
+from fastanchor.trainer.cli import main
+
+sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,48 @@
+"""What every benchmark shares: the device, the CPU count, and running its cases into a result file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from fastanchor.benchmarks.harness import Case, Derived, case_record, derived_record, run_interleaved
+from fastanchor.benchmarks.options import CommonOptions
+from fastanchor.benchmarks.results import build_result, environment, markdown, write_result
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def resolve_device(name: str) -> torch.device:
+    from fastanchor.trainer.train import resolve_device as trainer_resolve_device
+
+    return trainer_resolve_device(name)
+
+
+def run_and_write(benchmark: str, options: CommonOptions, *, cases: list[Case], derived: list[Derived],
+                  device: torch.device, command: str, notes: list[str] = (), config_extra: dict | None = None):
+    """Measure `cases` interleaved, write the result files, print the table; return (result, paths)."""
+    names = [case.name for case in cases]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate case names in {names}")
+    recorded, schedule = run_interleaved(cases, repetitions=options.repetitions, warmup_rounds=options.warmup_rounds,
+                                         progress=options.progress, desc=f"bench {benchmark}")
+    records = [case_record(case, recorded.get(case.name)) for case in cases]
+    by_name = {record["name"]: record for record in records}
+    result = build_result(
+        benchmark, command=command, config={**dataclasses.asdict(options), **(config_extra or {})},
+        env=environment(device), cases=records, derived=[derived_record(d, by_name) for d in derived],
+        schedule=schedule, repetitions=options.repetitions, warmup_rounds=options.warmup_rounds, notes=list(notes))
+    paths = write_result(result, Path(options.out), options.tag)
+    print(markdown(result))
+    print(f"written: {paths['json']}, {paths['md'].name}, {paths['png'].name}")
+    return result, paths
+
+
+def apply_threads(options: CommonOptions) -> None:
+    if options.threads:
+        torch.set_num_threads(options.threads)

@@ -1,0 +1,303 @@
+"""Loader throughput: images/s of every loader on the same JPEGs, at the same output size, batch and
+worker count, against the decode limit and against each other.
+
+Each loader iterates whole epochs over the same images (random-resized-crop to s x s, flip; drop
+last); the first `warmup_batches` of every epoch are left out of the timing. One repetition is one
+epoch; the loaders run interleaved, each epoch running alone.
+
+The decode limit is what the CPU could do with nothing in the way: libjpeg-turbo decode (OpenCV's
+`imdecode`, single-threaded) of every file, then the same random-resized crop and OpenCV INTER_AREA
+resize to s x s that FFCV applies, in a tight loop over bytes held in memory, times the worker
+count. It is measured on the bytes each loader decodes: the source files for the torchvision
+DataLoader and DALI, and the JPEG records of the `.beton` (re-encoded by FFCV's writer) for FFCV.
+A loader's efficiency is its images/s over its limit; loaders that decode on the GPU are compared
+with their peers only.
+
+Loaders are found by name in `LOADERS`; `register_loader` adds one. A loader whose module or
+library is missing is reported as not available, with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write, usable_cpus
+from fastanchor.benchmarks.crops import random_resized_crop_box
+from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_available, time_epoch
+from fastanchor.benchmarks.options import ImageDataOptions, LoaderOptions, by_device, names_list
+from fastanchor.benchmarks.results import opencv_jpeg
+from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.trainer.errors import ConfigError
+
+UNIT = "images/s"
+
+
+class LoaderUnavailable(Exception):
+    """The loader cannot run here (missing module or library, wrong device); the message says why."""
+
+
+@dataclass(frozen=True)
+class LoaderRequest:
+    index: ImageFolderIndex
+    batch_size: int
+    image_size: int
+    min_scale: float
+    workers: int
+    device: torch.device
+    seed: int
+    beton: Callable[[], Path]  # the .beton of `index`, written on first call
+
+
+@dataclass(frozen=True)
+class LoaderEntry:
+    name: str
+    description: str
+    make: Callable[[LoaderRequest], Iterable]  # raises LoaderUnavailable
+    source: str  # the bytes it decodes: "files" (the JPEG files) or "beton" (the .beton's JPEG records)
+    decodes_on_cpu: Callable[[torch.device], bool]
+
+
+LOADERS: dict[str, LoaderEntry] = {}
+
+
+def register_loader(entry: LoaderEntry) -> None:
+    LOADERS[entry.name] = entry
+
+
+def _ffcv(request: LoaderRequest):
+    try:
+        from fastanchor.pipeline.ffcv_loader import FFCVLoader
+    except ImportError as error:
+        raise LoaderUnavailable(f"FFCV is not importable ({error})") from None
+    return FFCVLoader(request.beton(), batch_size=request.batch_size, train=True, image_size=request.image_size,
+                      min_scale=request.min_scale, workers=request.workers, device=request.device, seed=request.seed,
+                      drop_last=True)
+
+
+def _torchvision(request: LoaderRequest):
+    from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, train_transform
+
+    dataset = DecodedImages(request.index, train_transform(request.image_size, request.min_scale))
+    return TorchvisionLoader(dataset, batch_size=request.batch_size, shuffle=True, drop_last=True,
+                             workers=request.workers, device=request.device, seed=request.seed)
+
+
+def _dali(request: LoaderRequest):
+    try:
+        from fastanchor.pipeline.dali_loader import DALILoader
+    except ModuleNotFoundError as error:
+        if error.name == "fastanchor.pipeline.dali_loader":
+            raise LoaderUnavailable("pipeline/dali_loader.py is not in this checkout") from None
+        raise LoaderUnavailable(f"DALI is not importable ({error})") from None
+    except ImportError as error:
+        raise LoaderUnavailable(f"DALI is not importable ({error})") from None
+    try:
+        return DALILoader(request.index, batch_size=request.batch_size, train=True, image_size=request.image_size,
+                          min_scale=request.min_scale, workers=request.workers, device=request.device,
+                          seed=request.seed, drop_last=True, shard_id=0, num_shards=1)
+    except (ImportError, RuntimeError) as error:  # e.g. a DALI build without this device's backend
+        raise LoaderUnavailable(f"DALI cannot run here ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+
+
+def _nvjpeg(request: LoaderRequest):
+    if request.device.type != "cuda":
+        raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
+    from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
+
+    return NvjpegLoader(request.index, batch_size=request.batch_size, image_size=request.image_size,
+                        min_scale=request.min_scale, workers=request.workers, device=request.device, seed=request.seed)
+
+
+register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _ffcv, "beton", lambda d: True))
+register_loader(LoaderEntry("torchvision", "torch DataLoader over the ImageFolder, PIL decode in worker processes",
+                            _torchvision, "files", lambda d: True))
+register_loader(LoaderEntry("dali", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)", _dali, "files",
+                            lambda d: d.type != "cuda"))
+register_loader(LoaderEntry("nvjpeg", "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)",
+                            _nvjpeg, "files", lambda d: False))
+
+
+# --------------------------------------------------------------------------------------------
+# Data: the images, their .beton, the bytes each loader decodes
+# --------------------------------------------------------------------------------------------
+
+def subset_index(index: ImageFolderIndex, images: int, seed: int) -> ImageFolderIndex:
+    """`images` samples of `index` drawn with `seed` (kept in file order), or all of them."""
+    if images == 0 or images >= len(index):
+        return index
+    chosen = np.sort(np.random.default_rng(seed).choice(len(index), size=images, replace=False))
+    return ImageFolderIndex(index.root, index.classes, tuple(index.samples[i] for i in chosen))
+
+
+def bench_beton(index: ImageFolderIndex, cache: Path, *, quality: int, max_resolution: int, workers: int,
+                progress: bool) -> Path:
+    """The .beton of exactly these samples, reused when one with the same labels exists."""
+    from fastanchor.pipeline.ffcv_loader import inspect_beton, write_beton
+
+    digest = hashlib.sha256("\n".join(path for path, _ in index.samples).encode()).hexdigest()[:10]
+    path = cache / f"{index.root.name}-{len(index)}-{digest}-q{quality}-r{max_resolution}.beton"
+    if path.exists():
+        info = inspect_beton(path)
+        if info.labels.tolist() == [label for _, label in index.samples]:
+            return path
+    write_beton(index, path, max_resolution=max_resolution or None, jpeg_quality=quality, workers=max(1, workers),
+                progress=progress)
+    return path
+
+
+def file_jpegs(index: ImageFolderIndex) -> list[bytes]:
+    return [Path(path).read_bytes() for path, _ in index.samples]
+
+
+def beton_jpegs(path: Path) -> list[bytes]:
+    """The JPEG records of a .beton, as FFCV's decoder reads them (raw records are not decoded)."""
+    from ffcv.reader import Reader
+
+    from fastanchor.pipeline.ffcv_loader import _JPEG_MODE
+
+    reader = Reader(str(path))
+    modes = reader.metadata["f0"]["mode"]
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    table = reader.alloc_table
+    return [bytes(mapped[int(p):int(p) + int(n)]) for sample, p, n in zip(table["sample_id"], table["ptr"], table["size"])
+            if modes[int(sample)] == _JPEG_MODE]
+
+
+def describe_images(index: ImageFolderIndex) -> dict:
+    """Mean file size and resolution of the benchmarked images (read from the headers)."""
+    sizes, widths, heights = [], [], []
+    for path, _ in index.samples:
+        sizes.append(Path(path).stat().st_size)
+        with Image.open(path) as image:
+            widths.append(image.width)
+            heights.append(image.height)
+    return {"images": len(index), "classes": len(index.classes), "mean_bytes": float(np.mean(sizes)),
+            "mean_width": float(np.mean(widths)), "mean_height": float(np.mean(heights))}
+
+
+# --------------------------------------------------------------------------------------------
+# The decode limit
+# --------------------------------------------------------------------------------------------
+
+def decode_limit_case(name: str, blobs: Callable[[], list[bytes]], *, image_size: int, min_scale: float, workers: int,
+                      seed: int) -> Case:
+    """libjpeg-turbo decode + random-resized crop + INTER_AREA resize of every blob, one thread,
+    scaled by `workers` (the case's value is the limit in images/s)."""
+    try:
+        import cv2
+    except ImportError as error:
+        return not_available(name, UNIT, f"OpenCV is not importable ({error})")
+    flag = getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)  # RGB straight from libjpeg-turbo where OpenCV can
+    held: list[list[bytes]] = []
+    rng = np.random.default_rng(seed)
+
+    def run() -> Measurement:
+        if not held:
+            held.append(blobs())
+        threads = cv2.getNumThreads()
+        cv2.setNumThreads(1)
+        try:
+            started = time.perf_counter()
+            for blob in held[0]:
+                image = cv2.imdecode(np.frombuffer(blob, dtype=np.uint8), flag)
+                top, left, h, w = random_resized_crop_box(image.shape[0], image.shape[1], min_scale, rng)
+                cv2.resize(image[top:top + h, left:left + w], (image_size, image_size), interpolation=cv2.INTER_AREA)
+            seconds = time.perf_counter() - started
+        finally:
+            cv2.setNumThreads(threads)
+        return Measurement(len(held[0]), seconds)
+
+    decoder = f"OpenCV {cv2.__version__} imdecode ({opencv_jpeg()}), one thread, x {workers} workers"
+    return Case(name, UNIT, run, scale=float(workers), info={"kind": "limit", "decoder": decoder, "workers": workers})
+
+
+# --------------------------------------------------------------------------------------------
+# The benchmark
+# --------------------------------------------------------------------------------------------
+
+def make_request(options: ImageDataOptions, device: torch.device, *, batch_size: int, image_size: int) -> LoaderRequest:
+    """What every loader of a benchmark is built from: the same images, sizes, workers and seed."""
+    workers = options.workers or usable_cpus()
+    index = subset_index(scan_image_folder(options.data), options.images, options.seed)
+    if len(index) < batch_size * (options.warmup_batches + 1):
+        raise ConfigError(f"--images: {len(index)} images make fewer than warmup_batches + 1 = "
+                          f"{options.warmup_batches + 1} batches of {batch_size}")
+    written: list[Path] = []
+
+    def beton() -> Path:
+        if not written:
+            cache = Path(options.ffcv_cache) if options.ffcv_cache else index.root.parent / "ffcv"
+            written.append(bench_beton(index, cache, quality=options.ffcv_jpeg_quality,
+                                       max_resolution=options.ffcv_max_resolution, workers=workers,
+                                       progress=options.progress))
+        return written[0]
+
+    return LoaderRequest(index, batch_size, image_size, options.min_scale, workers, device, options.seed, beton)
+
+
+def check_loader_names(names: list[str]) -> None:
+    unknown = [name for name in names if name not in LOADERS]
+    if unknown:
+        raise ConfigError(f"unknown loader {unknown[0]!r}: expected names from {', '.join(LOADERS)}")
+
+
+def make_loader(name: str, request: LoaderRequest):
+    """The loader `name` built from `request`; LoaderUnavailable says why it cannot run here."""
+    return LOADERS[name].make(request)
+
+
+def loader_case(entry: LoaderEntry, request: LoaderRequest, warmup_batches: int) -> Case:
+    try:
+        loader = make_loader(entry.name, request)
+    except LoaderUnavailable as reason:
+        return not_available(entry.name, UNIT, str(reason), description=entry.description)
+    on_cpu = entry.decodes_on_cpu(request.device)
+    return Case(entry.name, UNIT, lambda: time_epoch(loader, warmup_batches, lambda batch: batch[0].shape[0], request.device),
+                info={"description": entry.description, "decodes": "cpu" if on_cpu else "device", "source": entry.source,
+                      "batches_per_epoch": len(loader)})
+
+
+def loader_cases(names: list[str], request: LoaderRequest, warmup_batches: int) -> tuple[list[Case], list[Derived]]:
+    """The loader cases, the decode limits they need, and the derived efficiencies and peer ratios."""
+    entries = [LOADERS[name] for name in names]
+    cases = [loader_case(entry, request, warmup_batches) for entry in entries]
+    on_cpu = [e for e, c in zip(entries, cases) if c.run is not None and e.decodes_on_cpu(request.device)]
+    workers = request.workers
+    limits = {"files": f"decode limit (files, x{workers})", "beton": f"decode limit (.beton, x{workers})"}
+    sources = {"files": lambda: file_jpegs(request.index), "beton": lambda: beton_jpegs(request.beton())}
+    needed = [source for source in limits if any(e.source == source for e in on_cpu)]
+    cases += [decode_limit_case(limits[s], sources[s], image_size=request.image_size, min_scale=request.min_scale,
+                                workers=workers, seed=request.seed) for s in needed]
+    derived = [Derived(f"efficiency: {e.name}", e.name, limits[e.source], meaning=f"{e.name} images/s over its decode limit")
+               for e in on_cpu]
+    derived += [Derived(f"{a.name}/{b.name}", a.name, b.name, meaning=f"{a.name} images/s over {b.name} images/s")
+                for i, a in enumerate(entries) for b in entries[i + 1:]]
+    return cases, derived
+
+
+def run_loader_benchmark(options: LoaderOptions, command: str):
+    options.validate()
+    apply_threads(options)
+    device = resolve_device(options.device)
+    names = names_list(options.loaders)
+    check_loader_names(names)
+    batch_size = by_device(options.batch_size, 64, 256, device.type == "cuda")
+    request = make_request(options, device, batch_size=batch_size, image_size=options.image_size)
+    cases, derived = loader_cases(names, request, options.warmup_batches)
+    images = describe_images(request.index)
+    notes = [f"{images['images']} JPEGs in {images['classes']} classes from {options.data}: mean "
+             f"{images['mean_bytes'] / 1000:.1f} KB, {images['mean_width']:.0f} x {images['mean_height']:.0f} px",
+             f"every loader: batch {batch_size}, {options.image_size} px random-resized-crop (scale "
+             f"{options.min_scale}-1) + flip, {request.workers} workers, one epoch per repetition, first "
+             f"{options.warmup_batches} batches of each epoch untimed"]
+    return run_and_write("loader", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
+                         config_extra={"resolved": {"batch_size": batch_size, "workers": request.workers},
+                                       "dataset": images})

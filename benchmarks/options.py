@@ -1,0 +1,199 @@
+"""Every benchmark's options as dataclasses: defaults, meaning (shown by `fastanchor bench WHAT --help`)
+and checks, validated once before anything runs. No torch import here (the CLI parses fast).
+
+A default of 0 or "" for a size means "by device": the CPU value for a small 2-core machine, the
+GPU value of the issue's target configuration (ResNet-50, 176 px, bf16, channels-last, batch 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastanchor.trainer.config import _opt as option
+from fastanchor.trainer.errors import ConfigError
+
+LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg")  # the built-in entries of benchmarks.loaders.LOADERS
+OP_PATHS = ("torch", "triton", "numba")
+GPU_STEP_MODELS = "resnet18@176,resnet50@176,vit_base_patch16_224@224,swinv2_tiny_window8_256@256"
+CPU_STEP_MODELS = "fastanchor_resnet_tiny@64,resnet18@64"
+
+
+def names_list(text: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c'] (order kept, duplicates dropped)."""
+    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+
+
+def parse_model_at(text: str) -> tuple[str, int]:
+    """'resnet50@176' -> ('resnet50', 176)."""
+    name, _, size = text.partition("@")
+    if not name or not size.isdigit() or not 8 <= int(size) <= 4096:
+        raise ConfigError(f"model {text!r}: expected <model name>@<image side in pixels>, e.g. resnet50@176")
+    return name, int(size)
+
+
+def by_device(value, cpu, gpu, cuda: bool):
+    """`value` unless it is the 'by device' default (0 or '')."""
+    return value if value else (gpu if cuda else cpu)
+
+
+@dataclass
+class CommonOptions:
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    repetitions: int = option(5, "recorded repetitions of every case (rounds, interleaved A B A B ...)")
+    warmup_rounds: int = option(1, "rounds run first and not recorded (compilation, caches, worker start-up)")
+    seed: int = option(0, "seed of data order, crops, weights, references and masking")
+    threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
+    out: str = option("benchmarks/results", "directory of the result files <benchmark>-<device>[-<tag>].{json,md,png}")
+    tag: str = option("", "suffix of the result file names (e.g. a configuration's name)")
+    progress: bool = option(True, "progress bars with the latest figure")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad option."""
+        for name, ok, expected in self.checks():
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} = {getattr(self, name)!r}: expected {expected}")
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("repetitions", self.repetitions >= 1, "at least 1"),
+            ("warmup_rounds", self.warmup_rounds >= 0, "0 or more"),
+            ("seed", self.seed >= 0, "a non-negative integer"),
+            ("threads", self.threads >= 0, "0 (torch's default) or a positive number of threads"),
+            ("tag", all(c.isalnum() or c in "-_." for c in self.tag), "letters, digits, '-', '_' or '.' only"),
+        ]
+
+
+@dataclass
+class TrainingOptions(CommonOptions):
+    """How a training step runs (as `fastanchor train` runs it)."""
+
+    amp: str = option("auto", "mixed precision as train.amp: auto (bf16 on CUDA where supported; off on CPU), bf16, fp16, off",
+                      choices=("auto", "bf16", "fp16", "off"))
+    channels_last: bool = option(True, "channels-last model and input")
+    compile: bool = option(False, "torch.compile the models")
+
+    def checks(self):
+        return super().checks() + [("amp", self.amp in ("auto", "bf16", "fp16", "off"), "auto, bf16, fp16 or off")]
+
+
+@dataclass
+class SyntheticOptions(TrainingOptions):
+    """Training on synthetic batches already on the device."""
+
+    num_classes: int = option(1000, "classifier outputs (labels drawn uniformly)")
+
+    def checks(self):
+        return super().checks() + [("num_classes", self.num_classes >= 2, "at least 2")]
+
+
+@dataclass
+class DataOptions:
+    root: str = option("data/imagenet_shaped", "where the dataset is written (its train split is <root>/train)")
+    num_classes: int = option(1000, "class folders (ImageNet: 1000)")
+    images_per_class: int = option(20, "JPEGs per class")
+    mean_bytes: int = option(110_000, "target mean file size in bytes (ImageNet: about 110 KB)")
+    jpeg_quality: int = option(95, "JPEG quality of the files")
+    seed: int = option(0, "seed of the files' content, sizes and resolutions")
+    workers: int = option(0, "threads that render and encode (0: one per CPU core, at most 8)")
+    progress: bool = option(True, "progress bar")
+
+    def validate(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"--workers = {self.workers!r}: expected 0 (one per core) or a positive count")
+
+
+@dataclass
+class ImageDataOptions(CommonOptions):
+    """The JPEGs a loader reads, and how its epochs are timed."""
+
+    data: str = option("data/imagenet_shaped/train", "ImageFolder tree (<class>/<image>) the loaders read, e.g. the "
+                       "ImageNet-shaped dataset's train split written by `fastanchor bench data`")
+    images: int = option(0, "use this many images of the tree, drawn with the seed (0: all)")
+    min_scale: float = option(0.35, "lower bound of the random-resized-crop's area scale (the trainer's data.min_scale)")
+    workers: int = option(0, "decoding workers of every loader (DataLoader processes, FFCV numba threads, DALI "
+                             "threads; the decode limit is multiplied by it); 0: one per usable CPU")
+    warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
+    ffcv_cache: str = option("", "directory of the .beton written from the images (default: <data>/../ffcv)")
+    ffcv_jpeg_quality: int = option(90, "JPEG quality of the images FFCV's writer re-encodes into the .beton")
+    ffcv_max_resolution: int = option(0, "longest side stored in the .beton (0 keeps the source resolution)")
+
+    def checks(self):
+        return super().checks() + [
+            ("images", self.images >= 0, "0 (all) or a positive count"),
+            ("min_scale", 0 < self.min_scale <= 1, "a number in (0, 1]"),
+            ("workers", self.workers >= 0, "0 (one per usable CPU) or a positive count"),
+            ("warmup_batches", self.warmup_batches >= 0, "0 or more"),
+            ("ffcv_jpeg_quality", 1 <= self.ffcv_jpeg_quality <= 100, "an integer from 1 to 100"),
+            ("ffcv_max_resolution", self.ffcv_max_resolution >= 0, "0 or a positive side in pixels"),
+        ]
+
+
+@dataclass
+class LoaderOptions(ImageDataOptions):
+    loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADER_NAMES))
+    batch_size: int = option(0, "batch size of every loader (0: 64 on CPU, 256 on CUDA)")
+    image_size: int = option(176, "output side in pixels (random-resized-crop, then flip)")
+
+    def checks(self):
+        return super().checks() + [
+            ("loaders", bool(names_list(self.loaders)), "one or more loader names"),
+            ("batch_size", self.batch_size >= 0, "0 (by device) or a positive batch size"),
+            ("image_size", 8 <= self.image_size <= 4096, "a side from 8 to 4096 pixels"),
+        ]
+
+
+@dataclass
+class OpOptions(SyntheticOptions):
+    paths: str = option("torch,triton,numba", "comma-separated implementations of the op: " + ", ".join(OP_PATHS))
+    batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
+    image_size: int = option(0, "image side in pixels (0: 112 on CPU, 176 on CUDA)")
+    dtype: str = option("auto", "output dtype: auto (the training input's: bf16 on CUDA with amp, float32 on CPU), "
+                                "float32, bfloat16, float16", choices=("auto", "float32", "bfloat16", "float16"))
+    iterations: int = option(0, "op calls per repetition (0: 10 on CPU, 200 on CUDA)")
+    step_model: str = option("", "model of the training step the op's time is compared with "
+                                 "(default: fastanchor_resnet_tiny on CPU, resnet50 on CUDA; 'none' skips it)")
+    steps: int = option(0, "training steps per repetition (0: 3 on CPU, 20 on CUDA)")
+
+    def checks(self):
+        unknown = [p for p in names_list(self.paths) if p not in OP_PATHS]
+        return super().checks() + [
+            ("paths", bool(names_list(self.paths)) and not unknown, f"names from {', '.join(OP_PATHS)}"),
+            ("batch_size", self.batch_size >= 0, "0 (by device) or a positive batch size"),
+            ("image_size", self.image_size == 0 or 8 <= self.image_size <= 4096, "0 (by device) or 8 to 4096 pixels"),
+            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
+            ("iterations", self.iterations >= 0, "0 (by device) or a positive count"),
+            ("steps", self.steps >= 0, "0 (by device) or a positive count"),
+        ]
+
+
+@dataclass
+class StepOptions(SyntheticOptions):
+    models: str = option("", f"comma-separated <model>@<size> (default: {CPU_STEP_MODELS} on CPU; {GPU_STEP_MODELS} on CUDA)")
+    batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
+    steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
+
+    def checks(self):
+        for text in names_list(self.models):
+            parse_model_at(text)
+        return super().checks() + [
+            ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2 (a derangement needs 2)"),
+            ("steps", self.steps >= 0, "0 (by device) or a positive count"),
+        ]
+
+
+@dataclass
+class EndToEndOptions(ImageDataOptions, TrainingOptions):
+    loader: str = option("", "the loader feeding the step: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
+    model: str = option("", "<model>@<size> trained (default: fastanchor_resnet_tiny@64 on CPU, resnet50@176 on CUDA)")
+    batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
+    alpha: float = option(0.2, "reference-masking probability of the anchored runs (batch level, as the trainer)")
+    naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
+
+    def checks(self):
+        if self.model:
+            parse_model_at(self.model)
+        return super().checks() + [
+            ("loader", self.loader == "" or self.loader in LOADER_NAMES, f"one of {', '.join(LOADER_NAMES)}"),
+            ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2"),
+            ("alpha", 0 <= self.alpha <= 1, "a probability in [0, 1]"),
+        ]

@@ -1,0 +1,279 @@
+"""Benchmark result files: one JSON per run (the record), a Markdown table and a PNG chart beside it.
+
+    {"schema": "fastanchor-bench-v1", "benchmark", "created", "command", "git_commit",
+     "environment": {"device", "device_name", "cpu_count", "usable_cpus", "torch_threads", "platform",
+                     "python", "cuda", "libraries": {...}, "jpeg": {...}},
+     "config": {...}, "notes": [...],
+     "warmup_rounds", "repetitions", "schedule": [case names in the order they ran],
+     "cases": [{"name", "unit", "status": "ok", "repetitions": [{"value", "items", "seconds"}],
+                "scale", "median", "min", "max", "rel_spread", ...} | {"name", "unit", "status": "not available", "reason"}],
+     "derived": [{"name", "numerator", "denominator", "factor", "meaning", "status", "value",
+                  "per_round", "per_round_median", "per_round_min", "per_round_max"}]}
+
+Files are written atomically (temporary file, fsync, rename) under `<out>/<benchmark>-<device tag>[-<tag>]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from fastanchor.trainer.checkpoint import atomic_write_bytes
+
+SCHEMA = "fastanchor-bench-v1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LIBRARIES = ("torch", "torchvision", "timm", "numpy", "pillow", "opencv-python", "opencv-python-headless", "ffcv",
+             "numba", "triton", "nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
+REQUIRED = ("schema", "benchmark", "created", "command", "environment", "config", "repetitions", "warmup_rounds",
+            "schedule", "cases", "derived")
+REQUIRED_ENVIRONMENT = ("device", "device_name", "cpu_count", "libraries")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _jpeg_libraries() -> dict[str, str]:
+    """Which libjpeg-turbo each decoding library carries (decode figures depend on it)."""
+    found = {}
+    try:
+        from PIL import features
+
+        found["pillow"] = f"libjpeg-turbo {features.version('libjpeg_turbo')}" if features.check_feature("libjpeg_turbo") \
+            else f"libjpeg {features.version('jpg')}"
+    except Exception:  # noqa: BLE001 - a fact for the record, never a reason to fail
+        pass
+    try:
+        found["opencv"] = opencv_jpeg()
+    except Exception:  # noqa: BLE001
+        pass
+    return found
+
+
+def opencv_jpeg() -> str:
+    """The JPEG library OpenCV was built with, from its build information."""
+    import cv2
+
+    line = next((l for l in cv2.getBuildInformation().splitlines() if l.strip().startswith("JPEG:")), "JPEG: unknown")
+    return line.split(":", 1)[1].strip()
+
+
+def environment(device: torch.device) -> dict:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "cpu_name": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "libraries": _versions(),
+        "jpeg": _jpeg_libraries(),
+    }
+
+
+def device_tag(env: dict) -> str:
+    if env["device"] != "cuda":
+        return "cpu"
+    return "cuda-" + re.sub(r"[^a-z0-9]+", "-", env["device_name"].lower()).strip("-")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def build_result(benchmark: str, *, command: str, config: dict, env: dict, cases: list[dict], derived: list[dict],
+                 schedule: list[str], repetitions: int, warmup_rounds: int, notes: list[str] = ()) -> dict:
+    return {
+        "schema": SCHEMA, "benchmark": benchmark, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "git_commit": git_commit(), "environment": env, "config": config, "notes": list(notes),
+        "warmup_rounds": warmup_rounds, "repetitions": repetitions, "schedule": schedule,
+        "cases": cases, "derived": derived,
+    }
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def validate_result(result: dict) -> None:
+    """Raise ValueError naming the first way `result` is not a well-formed result record."""
+    if not isinstance(result, dict) or result.get("schema") != SCHEMA:
+        raise ValueError(f"not a fastanchor benchmark result (expected schema {SCHEMA!r})")
+    missing = [key for key in REQUIRED if key not in result]
+    if missing:
+        raise ValueError(f"missing fields: {', '.join(missing)}")
+    missing = [key for key in REQUIRED_ENVIRONMENT if key not in result["environment"]]
+    if missing:
+        raise ValueError(f"environment lacks {', '.join(missing)}")
+    by_name = {}
+    for case in result["cases"]:
+        name = case.get("name")
+        if case.get("status") == "not available":
+            if not case.get("reason"):
+                raise ValueError(f"case {name!r} is not available but says no reason")
+        elif case.get("status") == "ok":
+            values = [r["value"] for r in case.get("repetitions", [])]
+            if len(values) != result["repetitions"]:
+                raise ValueError(f"case {name!r} records {len(values)} repetitions, expected {result['repetitions']}")
+            if any(not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)) for v in values):
+                raise ValueError(f"case {name!r} has a repetition that is not a positive number")
+            for r in case["repetitions"]:
+                if not (r["seconds"] > 0 and _close(r["value"], case["scale"] * r["items"] / r["seconds"])):
+                    raise ValueError(f"case {name!r} has a repetition whose value is not scale x items / seconds")
+            if not _close(case["median"], statistics.median(values)):
+                raise ValueError(f"case {name!r}: median {case['median']} is not the median of its repetitions")
+            if not (_close(case["min"], min(values)) and _close(case["max"], max(values))):
+                raise ValueError(f"case {name!r}: min/max do not match its repetitions")
+            if result["schedule"].count(name) != len(values):
+                raise ValueError(f"case {name!r} is not in the schedule once per repetition")
+        else:
+            raise ValueError(f"case {name!r} has status {case.get('status')!r}")
+        by_name[name] = case
+    for item in result["derived"]:
+        if item.get("status") != "ok":
+            continue
+        top, bottom = by_name.get(item["numerator"]), by_name.get(item["denominator"])
+        if not top or not bottom or top["status"] != "ok" or bottom["status"] != "ok":
+            raise ValueError(f"derived {item['name']!r} refers to cases that were not measured")
+        if not _close(item["value"], item["factor"] * top["median"] / bottom["median"]):
+            raise ValueError(f"derived {item['name']!r} is not factor x median ratio of its cases")
+
+
+def load_result(path: Path) -> dict:
+    result = json.loads(Path(path).read_text())
+    validate_result(result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Writing: JSON, Markdown, PNG
+# --------------------------------------------------------------------------------------------
+
+def format_value(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:,.0f}"
+    if magnitude >= 1:
+        return f"{value:.3g}" if magnitude < 10 else f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+def tables(result: dict) -> list[str]:
+    """The cases table and the derived table, as Markdown lines."""
+    lines = ["| case | median | unit | min | max | repetitions |", "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for case in result["cases"]:
+        if case["status"] != "ok":
+            lines.append(f"| {case['name']} | not available: {case['reason']} | {case['unit']} | | | 0 |")
+            continue
+        lines.append(f"| {case['name']} | {format_value(case['median'])} | {case['unit']} | {format_value(case['min'])} "
+                     f"| {format_value(case['max'])} | {len(case['repetitions'])} |")
+    if result["derived"]:
+        lines += ["", "| derived | value | per-round min-max | meaning |", "| --- | ---: | --- | --- |"]
+        for item in result["derived"]:
+            if item["status"] != "ok":
+                lines.append(f"| {item['name']} | n/a | | {item['reason']} |")
+                continue
+            lines.append(f"| {item['name']} | {format_value(item['value'])} | {format_value(item['per_round_min'])}-"
+                         f"{format_value(item['per_round_max'])} | {item['meaning']} |")
+    return lines
+
+
+def describe_run(result: dict) -> list[str]:
+    env = result["environment"]
+    return [
+        f"- device: {env['device_name']} ({env['device']}), {env['cpu_count']} CPUs ({env.get('usable_cpus')} usable)",
+        f"- command: `{result['command']}`",
+        f"- created: {result['created']}, commit {result.get('git_commit') or 'unknown'}",
+        f"- {result['repetitions']} repetitions per case, interleaved, after {result['warmup_rounds']} warm-up round(s); "
+        f"figures are medians, spread is min-max over the repetitions",
+        *[f"- {note}" for note in result.get("notes", [])],
+    ]
+
+
+def markdown(result: dict, chart_name: str | None = None) -> str:
+    lines = [f"# Benchmark: {result['benchmark']}", "", *describe_run(result), "", *tables(result)]
+    if chart_name:
+        lines += ["", f"![{result['benchmark']}]({chart_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> None:
+    """Medians as bars (min-max whiskers; limits grey), one panel per unit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [c for c in result["cases"] if c["status"] == "ok"]
+    units = list(dict.fromkeys(c["unit"] for c in measured)) or ["(nothing measured)"]
+    heights = [max(1, sum(c["unit"] == u for c in measured)) for u in units]
+    figure, axes = plt.subplots(len(units), 1, figsize=(8, 1.2 + 0.45 * sum(heights) + 0.6 * len(units)),
+                                gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for axis, unit in zip(axes[:, 0], units):
+        group = [c for c in measured if c["unit"] == unit]
+        names = [c["name"] for c in group]
+        medians = [c["median"] for c in group]
+        spread = [[m - c["min"] for m, c in zip(medians, group)], [c["max"] - m for m, c in zip(medians, group)]]
+        colours = ["#999999" if c.get("kind") == "limit" else "#4477aa" for c in group]
+        axis.barh(names, medians, xerr=spread, color=colours, capsize=3)
+        for y, case in enumerate(group):
+            axis.text(case["max"], y, f"  {format_value(case['median'])}", va="center", fontsize=8)
+        axis.invert_yaxis()
+        axis.set_xlabel(unit)
+        axis.margins(x=0.18)
+    env = result["environment"]
+    figure.suptitle(f"{result['benchmark']} on {env['device_name']} (median, min-max of {result['repetitions']})",
+                    fontsize=10)
+    figure.tight_layout()
+    atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=110))
+    plt.close(figure)
+
+
+def write_result(result: dict, out_dir: str | Path, tag: str = "") -> dict[str, Path]:
+    """Validate and write `<out>/<benchmark>-<device tag>[-<tag>].{json,md,png}`; return the paths."""
+    validate_result(result)
+    out_dir = Path(out_dir)
+    stem = f"{result['benchmark']}-{device_tag(result['environment'])}" + (f"-{tag}" if tag else "")
+    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md", "png": out_dir / f"{stem}.png"}
+    atomic_write_bytes(paths["json"], lambda h: h.write((json.dumps(result, indent=1) + "\n").encode()))
+    chart(result, paths["png"])
+    atomic_write_bytes(paths["md"], lambda h: h.write(markdown(result, paths["png"].name).encode()))
+    return paths

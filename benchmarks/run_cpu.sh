@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The full CPU benchmark set, for a quiet machine (about 15 minutes on 2 cores). Writes
+# benchmarks/results/{loader,op,step,e2e}-cpu.{json,md,png} and regenerates README's performance block.
+#
+#   benchmarks/run_cpu.sh            # everything
+#   benchmarks/run_cpu.sh loader     # one stage: data | loader | op | step | e2e | readme
+#
+# Environment: PYTHON (default .venv/bin/python, else python3), DATA (ImageNet-shaped dataset root,
+# default data/imagenet_shaped), IMAGES (images per loader epoch, default 2048), RESULTS
+# (default benchmarks/results), REPS (repetitions, default 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+DATA=${DATA:-data/imagenet_shaped}
+IMAGES=${IMAGES:-2048}
+RESULTS=${RESULTS:-benchmarks/results}
+REPS=${REPS:-5}
+bench() { echo "== fastanchor bench $*"; "$PYTHON" -m fastanchor.benchmarks "$@"; }
+common=(--device cpu --repetitions "$REPS" --out "$RESULTS")
+
+stage=${1:-all}
+if [[ $stage == all || $stage == data ]]; then
+    bench data --root "$DATA" --num-classes 1000 --images-per-class 3
+fi
+if [[ $stage == all || $stage == loader ]]; then
+    bench loader "${common[@]}" --data "$DATA/train" --images "$IMAGES" --loaders ffcv,torchvision,dali \
+        --batch-size 64 --image-size 176
+fi
+if [[ $stage == all || $stage == op ]]; then
+    bench op "${common[@]}" --batch-size 64 --image-size 112 --step-model fastanchor_resnet_tiny
+fi
+if [[ $stage == all || $stage == step ]]; then
+    bench step "${common[@]}" --models fastanchor_resnet_tiny@64,resnet18@64 --batch-size 64
+fi
+if [[ $stage == all || $stage == e2e ]]; then
+    bench e2e "${common[@]}" --data "$DATA/train" --images "$IMAGES" --loader ffcv \
+        --model fastanchor_resnet_tiny@64 --batch-size 64
+fi
+if [[ $stage == all || $stage == readme ]]; then
+    bench readme --results "$RESULTS" --readme README.md
+fi

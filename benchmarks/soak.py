@@ -1,0 +1,261 @@
+"""Soak: thousands of training steps through each loader and the anchoring stage, memory sampled.
+
+A leak per step or per epoch (a tensor kept alive, a worker or loading thread left behind at each
+epoch boundary, a reference bank that grows) shows as resident memory rising with the steps. This
+runs a tiny anchored model for `--steps` steps through each loader (torchvision DataLoader, FFCV,
+and DALI when `pipeline/dali_loader.py` is present), with the device-resident reference bank, over
+many epochs of the embedded dataset, and samples anonymous resident memory (heap, tensors: where
+a leak grows; file-backed pages come and go with the page cache): of the main process, and summed
+over it and its worker processes. The sum counts pages a worker shares copy-on-write with the
+main process twice, but it does not move when such a page is copied (USS would, and PSS moves
+whenever other processes map the same libraries): it grows only with new allocations. The slope
+of a least-squares line through the samples after the warm-up is the figure: MiB per 1000 steps,
+about 0 when flat.
+
+    python -m fastanchor.benchmarks.soak --steps 5000 --out benchmarks/results/soak/soak-cpu.json
+
+writes the JSON (device, versions, command, settings, samples, slopes) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
+from fastanchor.pipeline.data import ensure_beton, ensure_dataset, split_index, train_loader
+from fastanchor.pipeline.references import ReferenceBank
+from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.trainer.config import load_config
+from fastanchor.trainer.losses import anchored_cross_entropy
+from fastanchor.trainer.models import create_model
+
+MEASURES = ("anon_main_mib", "anon_tree_mib")
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory of a process tree (Linux /proc)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _tree(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        todo += _children(current)
+    return pids
+
+
+def _kib(path: Path, *fields: str) -> int:
+    """Sum of the named `Field: N kB` lines of a /proc file (0 when the process is gone)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) for line in lines if line.split(":", 1)[0] in fields)
+
+
+def memory_sample(pid: int | None = None) -> dict:
+    """Anonymous RSS of the process, and summed over it and its descendants, in MiB."""
+    pid = pid or os.getpid()
+    tree = _tree(pid)
+    return {"anon_main_mib": _kib(Path(f"/proc/{pid}/status"), "RssAnon") / 1024,
+            "anon_tree_mib": sum(_kib(Path(f"/proc/{p}/status"), "RssAnon") for p in tree) / 1024,
+            "processes": len(tree)}
+
+
+def slope_per_1000_steps(steps, values, warmup: float) -> float:
+    """Least-squares slope (per 1000 steps) of the samples after the first `warmup` fraction of steps."""
+    steps, values = np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+    keep = steps >= warmup * steps.max()
+    if keep.sum() < 2:
+        return float("nan")
+    return float(np.polyfit(steps[keep], values[keep], 1)[0] * 1000)
+
+
+# ----------------------------------------------------------------------------------------------
+# The soak loop
+
+
+def soak(loader_name: str, args: argparse.Namespace) -> dict:
+    config = load_config(None, [
+        f"data.root={args.data_root}", f"data.loader={loader_name}", f"data.batch_size={args.batch_size}",
+        f"data.image_size={args.image_size}", f"data.workers={args.workers}", "train.progress=false",
+        f"embedded.image_size={args.image_size}", f"model.name={args.model}"])
+    ensure_dataset(config, progress=False)
+    index = split_index(config.data, config.data.train_split)
+    if loader_name == "ffcv":
+        ensure_beton(config.data, index, progress=False)
+    device = torch.device("cpu")
+    loader = train_loader(config.data, index, device, seed=0)
+    stage = AnchoringStage(loader, AnchoringSpec(alpha=0.2), references=ReferenceBank(args.bank_size),
+                           device=device, seed=0)
+    torch.manual_seed(0)
+    model = create_model(args.model, len(index.classes), anchored=True).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    samples = [{"step": 0, "epoch": 0, "seconds": 0.0, **memory_sample()}]
+    step, epoch, started = 0, 0, time.perf_counter()
+    bar = tqdm(total=args.steps, desc=f"soak {loader_name}", unit="step", dynamic_ncols=True)
+    while step < args.steps:
+        loader.set_epoch(epoch)
+        for batch in stage:
+            loss = anchored_cross_entropy(model(batch.inputs), batch.labels, batch.masked)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            bar.update()
+            if step % args.sample_every == 0 or step == args.steps:
+                elapsed = time.perf_counter() - started
+                samples.append({"step": step, "epoch": epoch, "seconds": round(elapsed, 3), **memory_sample()})
+                bar.set_postfix(img_s=f"{step * args.batch_size / elapsed:.0f}",
+                                anon_mib=f"{samples[-1]['anon_tree_mib']:.0f}")
+            if step == args.steps:
+                break
+        epoch += 1
+    bar.close()
+    seconds = time.perf_counter() - started
+    steps_per_epoch = len(loader)
+    del stage, loader, model, optimizer
+    gc.collect()
+    steps = [s["step"] for s in samples]
+    result = {"samples": samples, "epochs": epoch, "steps_per_epoch": steps_per_epoch,
+              "images_per_s": step * args.batch_size / seconds}
+    for key in MEASURES:
+        values = [s[key] for s in samples]
+        after = [v for s, v in zip(steps, values) if s >= args.warmup * steps[-1]]
+        result[f"{key}_slope_per_1000_steps"] = slope_per_1000_steps(steps, values, args.warmup)
+        result[f"{key}_growth_after_warmup"] = after[-1] - after[0]
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording
+
+
+def available_loaders() -> list[str]:
+    names = ["torchvision", "ffcv"]
+    if (REPOSITORY / "pipeline" / "dali_loader.py").exists():
+        names.append("dali")
+    return names
+
+
+def versions() -> dict:
+    """Installed versions (package metadata: FFCV's own __version__ is stale)."""
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    wanted = ("torch", "torchvision", "ffcv", "numba", "timm", "numpy", "pillow")
+    for distribution in metadata.distributions():
+        name = (distribution.metadata["Name"] or "").lower()
+        if name in wanted or name.startswith("nvidia-dali"):
+            found[name] = distribution.version
+    try:
+        found["fastanchor_commit"] = subprocess.run(["git", "-C", str(REPOSITORY), "rev-parse", "HEAD"], capture_output=True,
+                                                    text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return found
+
+
+def device_description() -> str:
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu: {model or platform.processor()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for name, result in record["loaders"].items():
+        steps = [s["step"] for s in result["samples"]]
+        tree, anon = (result[f"{key}_slope_per_1000_steps"] for key in ("anon_tree_mib", "anon_main_mib"))
+        line, = axis.plot(steps, [s["anon_tree_mib"] for s in result["samples"]],
+                          label=f"{name}: anonymous RSS, process tree ({tree:+.2f} MiB / 1000 steps)")
+        axis.plot(steps, [s["anon_main_mib"] for s in result["samples"]], linestyle=":", color=line.get_color(),
+                  label=f"{name}: anonymous RSS, main process ({anon:+.2f} MiB / 1000 steps)")
+    axis.axvline(record["settings"]["warmup"] * record["settings"]["steps"], color="grey", linewidth=0.8)
+    axis.set_xlabel("training step")
+    axis.set_ylabel("memory (MiB)")
+    axis.set_title(f"soak: {record['settings']['model']}, batch {record['settings']['batch_size']}, "
+                   f"{record['settings']['image_size']} px; slope fitted right of the grey line", fontsize=9)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=120))
+    plt.close(figure)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m fastanchor.benchmarks.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5000, help="training steps per loader (default 5000)")
+    parser.add_argument("--loaders", default=",".join(available_loaders()), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=32, help="embedded images and crops, pixels")
+    parser.add_argument("--workers", type=int, default=2, help="loader workers (processes or threads)")
+    parser.add_argument("--model", default="fastanchor_resnet_tiny")
+    parser.add_argument("--bank-size", type=int, default=256, help="device-resident reference bank capacity")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--sample-every", type=int, default=25, help="steps between memory samples")
+    parser.add_argument("--warmup", type=float, default=0.2, help="fraction of steps left out of the slope fit")
+    parser.add_argument("--data-root", default="data/embedded", help="embedded dataset (generated when missing)")
+    parser.add_argument("--out", default="benchmarks/results/soak/soak-cpu.json", help="result JSON; the PNG goes beside it")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaders = [name.strip() for name in args.loaders.split(",") if name.strip()]
+    record = {
+        "benchmark": "soak", "device": device_description(), "versions": versions(),
+        "command": " ".join(["python -m fastanchor.benchmarks.soak", *(argv if argv is not None else sys.argv[1:])]),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "memory": "anon_main_mib: RssAnon of the main process; anon_tree_mib: RssAnon summed over it and its worker "
+                  "processes; slopes by least squares after the warm-up fraction of steps",
+        "loaders": {},
+    }
+    for name in loaders:
+        record["loaders"][name] = soak(name, args)
+        result = record["loaders"][name]
+        print(f"{name}: {result['images_per_s']:.0f} img/s; MiB per 1000 steps after {args.warmup:.0%} warm-up: "
+              f"anonymous RSS of the process tree {result['anon_tree_mib_slope_per_1000_steps']:+.3f}, of the "
+              f"main process {result['anon_main_mib_slope_per_1000_steps']:+.3f}", flush=True)
+    out = Path(args.out)
+    atomic_write_bytes(out, lambda handle: handle.write(json.dumps(record, indent=1).encode()))
+    plot(record, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

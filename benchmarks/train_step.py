@@ -1,0 +1,154 @@
+"""Training-step throughput: standard vs anchored training of the same model at the same resolution
+and batch, on synthetic uint8 batches already on the device (the pure step, no loader).
+
+A step is the trainer's loop body (`trainer/train.py`): the anchoring stage turns the uint8 batch
+into the network input (normalise only for standard; pair with an in-batch derangement, mask, build
+[r, x - r] for anchored), then forward under autocast, the anchored cross-entropy, backward and the
+optimiser step, with the trainer's model factory, optimiser and precision. Three cases per model:
+
+    standard            3-channel model, normalised input
+    anchored            6-channel model, no batch masked (alpha = 0)
+    anchored+masked     the same anchored model, every batch masked (alpha = 1: [0, x - r], uniform target)
+
+Any alpha lies between the last two. Steps are not synchronised one by one (the trainer reads the
+loss every step; here the device is synchronised at the end of each repetition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
+from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchronize
+from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
+from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage
+from fastanchor.trainer.config import Config
+from fastanchor.trainer.losses import anchored_cross_entropy
+
+UNIT = "images/s"
+BENCH_LR = 0.01  # small enough that random labels never drive the weights to inf/NaN (which would change the speed)
+
+
+class TrainingSetup:
+    """A model with its optimiser and precision, built as `fastanchor train` builds them."""
+
+    def __init__(self, model_name: str, image_size: int, *, anchored: bool, device: torch.device, amp: str,
+                 channels_last: bool, compile: bool, num_classes: int, seed: int):
+        from fastanchor.trainer.train import amp_dtype, build_model, make_optimizer
+
+        config = Config()
+        config.model.name = model_name
+        config.anchor.enabled = anchored
+        config.data.image_size = image_size
+        config.train.channels_last = channels_last
+        config.optim.lr = BENCH_LR
+        torch.manual_seed(seed)
+        self.device = device
+        self.anchored = anchored
+        self.model = build_model(config, num_classes, device).train()
+        self.optimizer = make_optimizer(self.model, config)
+        self.autocast_dtype = amp_dtype(amp, device)
+        self.input_dtype = self.autocast_dtype or torch.float32
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype == torch.float16)
+        self.forward = torch.compile(self.model) if compile else self.model
+
+    def stage(self, alpha: float, seed: int) -> AnchoringStage:
+        """The on-device stage for this model (anchored or standard), masking batches with probability `alpha`."""
+        return AnchoringStage((), AnchoringSpec(anchored=self.anchored, alpha=alpha), device=self.device,
+                              dtype=self.input_dtype, seed=seed)
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def step(self, batch: AnchoredBatch) -> torch.Tensor:
+        with self.autocast():
+            logits = self.forward(batch.inputs)
+            loss = anchored_cross_entropy(logits, batch.labels, batch.masked)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss
+
+
+def synthetic_batches(count: int, batch_size: int, image_size: int, num_classes: int, device: torch.device,
+                      seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` uint8 channels-last image batches with int64 labels, on the device (the loader contract)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (batch_size, 3, image_size, image_size), generator=generator, dtype=torch.uint8)
+             .to(device).contiguous(memory_format=torch.channels_last),
+             torch.randint(0, num_classes, (batch_size,), generator=generator).to(device)) for _ in range(count)]
+
+
+def step_case(name: str, setup: TrainingSetup, stage: AnchoringStage, batches, steps: int, **info) -> Case:
+    def run() -> Measurement:
+        synchronize(setup.device)
+        started = time.perf_counter()
+        for i in range(steps):
+            images, labels = batches[i % len(batches)]
+            setup.step(stage.process(images, labels))
+        synchronize(setup.device)
+        return Measurement(steps * batches[0][0].shape[0], time.perf_counter() - started)
+
+    return Case(name, UNIT, run, info=info)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    models: list[tuple[str, int]]
+    batch_size: int
+    steps: int
+
+
+def plan(options: StepOptions, device: torch.device) -> StepPlan:
+    cuda = device.type == "cuda"
+    models = [parse_model_at(text) for text in names_list(by_device(options.models, CPU_STEP_MODELS, GPU_STEP_MODELS, cuda))]
+    return StepPlan(models, by_device(options.batch_size, 64, 256, cuda), by_device(options.steps, 5, 20, cuda))
+
+
+def model_cases(options: StepOptions, device: torch.device, name: str, size: int, batch_size: int, steps: int):
+    """The three cases of one model and their ratios."""
+    label = f"{name}@{size}"
+    common = dict(device=device, amp=options.amp, channels_last=options.channels_last, compile=options.compile,
+                  num_classes=options.num_classes, seed=options.seed)
+    standard = TrainingSetup(name, size, anchored=False, **common)
+    anchored = TrainingSetup(name, size, anchored=True, **common)
+    batches = synthetic_batches(2, batch_size, size, options.num_classes, device, options.seed)
+    info = dict(model=name, image_size=size, batch_size=batch_size, steps_per_repetition=steps,
+                input_dtype=str(anchored.input_dtype).replace("torch.", ""))
+    cases = [
+        step_case(f"{label} standard", standard, standard.stage(0.0, options.seed), batches, steps, **info),
+        step_case(f"{label} anchored", anchored, anchored.stage(0.0, options.seed), batches, steps, **info),
+        step_case(f"{label} anchored+masked", anchored, anchored.stage(1.0, options.seed), batches, steps, **info),
+    ]
+    derived = [
+        Derived(f"{label}: anchored/standard", f"{label} anchored", f"{label} standard",
+                meaning="anchored images/s over standard images/s (no batch masked)"),
+        Derived(f"{label}: anchored+masked/standard", f"{label} anchored+masked", f"{label} standard",
+                meaning="anchored images/s over standard images/s, every batch masked"),
+    ]
+    return cases, derived
+
+
+def run_step_benchmark(options: StepOptions, command: str):
+    options.validate()
+    apply_threads(options)
+    device = resolve_device(options.device)
+    chosen = plan(options, device)
+    cases, derived = [], []
+    for name, size in chosen.models:
+        more_cases, more_derived = model_cases(options, device, name, size, chosen.batch_size, chosen.steps)
+        cases += more_cases
+        derived += more_derived
+    notes = [f"synthetic uint8 batches on the device, batch {chosen.batch_size}, {chosen.steps} steps per repetition; "
+             f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; in-batch derangement "
+             f"references; SGD as the trainer's default recipe"]
+    return run_and_write("step", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
+                         config_extra={"resolved": {"models": [f"{n}@{s}" for n, s in chosen.models],
+                                                    "batch_size": chosen.batch_size, "steps": chosen.steps}})

@@ -1,0 +1,275 @@
+"""The throughput benchmarks at a tiny size: every path runs through the real loaders, op and
+models and writes a result file that passes the schema check; derived figures are recomputed
+here from the recorded repetitions. No test asserts a speed."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import run_main
+from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.benchmarks.crops import random_resized_crop_box
+from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
+from fastanchor.benchmarks.anchor_op import op_bytes
+from fastanchor.benchmarks.results import validate_result
+from fastanchor.pipeline import imagenet_shaped
+from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.trainer.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = ["--device", "cpu", "--repetitions", "2", "--warmup-rounds", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """One results directory shared by the benchmark runs of this module (the README test reads it)."""
+    return tmp_path_factory.mktemp("bench_results")
+
+
+def bench(*args) -> dict:
+    outcome = run_main("bench", *args)
+    assert outcome.returncode == 0, outcome.stderr
+    written = [line for line in outcome.stdout.splitlines() if line.startswith("written: ")]
+    path = Path(written[-1].split("written: ", 1)[1].split(",")[0])
+    result = json.loads(path.read_text())
+    validate_result(result)
+    assert result["command"] == "fastanchor bench " + " ".join(map(str, args))
+    assert path.with_suffix(".md").read_text().startswith(f"# Benchmark: {result['benchmark']}")
+    with Image.open(path.with_suffix(".png")) as chart:
+        assert chart.format == "PNG" and chart.width > 200
+    return result
+
+
+def cases(result: dict) -> dict:
+    return {case["name"]: case for case in result["cases"]}
+
+
+def derived(result: dict) -> dict:
+    return {item["name"]: item for item in result["derived"]}
+
+
+def check_recorded(case: dict, repetitions: int = 2) -> list[float]:
+    """The case's repetitions, with its median recomputed from them."""
+    assert case["status"] == "ok" and len(case["repetitions"]) == repetitions
+    values = [r["items"] / r["seconds"] * case["scale"] for r in case["repetitions"]]
+    assert values == pytest.approx([r["value"] for r in case["repetitions"]])
+    assert case["median"] == pytest.approx(statistics.median(values))
+    return values
+
+
+def test_interleaving_and_warmup_exclusion():
+    ran = []
+
+    def case(name):
+        return Case(name, "items/s", lambda: (ran.append(name), Measurement(1, 1.0))[1])
+
+    recorded, schedule = run_interleaved([case("a"), case("b")], repetitions=3, warmup_rounds=1, progress=False)
+    assert ran == ["a", "b"] * 4
+    assert schedule == ["warmup:a", "warmup:b", "a", "b", "a", "b", "a", "b"]
+    assert {name: len(m) for name, m in recorded.items()} == {"a": 3, "b": 3}
+
+    batches = [(torch.zeros(n), None) for n in (5, 7, 3, 4)]  # the first two are warm-up: 3 + 4 images timed
+    assert time_epoch(batches, 2, lambda b: b[0].shape[0], torch.device("cpu")).items == 7
+    with pytest.raises(ConfigError, match="warmup_batches"):
+        time_epoch(batches, 4, lambda b: b[0].shape[0], torch.device("cpu"))
+
+
+def test_random_resized_crop_box_stays_inside_and_in_range():
+    rng = np.random.default_rng(0)
+    for height, width in [(300, 400), (500, 120), (17, 1000), (64, 64)]:
+        for _ in range(200):
+            top, left, h, w = random_resized_crop_box(height, width, 0.35, rng)
+            assert 0 <= top and top + h <= height and 0 <= left and left + w <= width and h > 0 and w > 0
+    # an ordinary image never needs the fallback: area and aspect ratio within the requested ranges
+    for _ in range(200):
+        _, _, h, w = random_resized_crop_box(300, 400, 0.35, rng)
+        assert 0.35 * 120000 * 0.98 <= h * w <= 120000 and 3 / 4 * 0.95 <= w / h <= 4 / 3 * 1.05
+
+
+def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
+    # the resolution model: ImageNet's average of about 400 x 350 pixels
+    rng = np.random.default_rng(1)
+    sizes = np.array([imagenet_shaped.sample_resolution(rng) for _ in range(20000)])
+    assert sizes[:, 0].mean() == pytest.approx(400, rel=0.04) and sizes[:, 1].mean() == pytest.approx(350, rel=0.04)
+
+    spec = imagenet_shaped.ImageNetShapedSpec(seed=2, num_classes=3, images_per_class=4)
+    outcome = run_main("bench", "data", "--root", tmp_path / "inet", "--seed", 2, "--num-classes", 3,
+                       "--images-per-class", 4, "--workers", 2, "--no-progress")
+    assert outcome.returncode == 0 and outcome.stdout.startswith("12 JPEGs in 3 classes"), outcome.stderr
+    manifest = json.loads((tmp_path / "inet" / "manifest.json").read_text())
+    assert manifest["spec"] == {"seed": 2, "num_classes": 3, "images_per_class": 4, "mean_bytes": 110_000, "jpeg_quality": 95}
+    index = scan_image_folder(tmp_path / "inet" / "train")
+    assert len(index) == 12 and index.classes == ("c0000", "c0001", "c0002")
+    sizes, widths = [], []
+    for path, label in index.samples:
+        i = int(Path(path).stem.split("_")[1])
+        width, height, target, _ = imagenet_shaped.image_plan(spec, label, i)
+        data = Path(path).read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.format == "JPEG" and image.size == (width, height) and image.mode == "RGB"
+        assert 0.75 < len(data) / target < 1.25  # the file size lands near its planned target
+        sizes.append(len(data))
+        widths.append(width)
+    achieved = manifest["achieved"]
+    assert achieved["bytes"]["mean"] == pytest.approx(np.mean(sizes), rel=1e-5)
+    assert achieved["width"]["median"] == pytest.approx(np.median(widths), rel=1e-5)
+    assert achieved["total_bytes"] == sum(sizes)
+    # the same spec again is found, not rewritten; another spec in the same place is refused
+    assert imagenet_shaped.generate_imagenet_shaped(tmp_path / "inet", spec, progress=False) == manifest
+    with pytest.raises(ValueError, match="already holds"):
+        imagenet_shaped.generate_imagenet_shaped(tmp_path / "inet", imagenet_shaped.ImageNetShapedSpec(seed=3),
+                                                 progress=False)
+
+
+def test_loader_benchmark(tiny_dataset, results, tmp_path):
+    result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--batch-size", 4,
+                   "--image-size", 32, "--workers", 1, "--warmup-batches", 1, "--loaders", "ffcv,torchvision,dali,nvjpeg",
+                   "--ffcv-cache", tmp_path, "--out", results)
+    found = cases(result)
+    assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
+    assert "torch" in result["environment"]["libraries"] and result["config"]["dataset"]["images"] == 32
+    for name in ("ffcv", "torchvision", "decode limit (files, x1)", "decode limit (.beton, x1)"):
+        check_recorded(found[name])
+    assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
+    assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
+    # every epoch: 8 batches of 4, one untimed -> 28 images per repetition
+    assert [r["items"] for r in found["ffcv"]["repetitions"]] == [28, 28]
+    assert [r["items"] for r in found["decode limit (files, x1)"]["repetitions"]] == [32, 32]
+    efficiency = derived(result)["efficiency: ffcv"]
+    assert efficiency["value"] == pytest.approx(found["ffcv"]["median"] / found["decode limit (.beton, x1)"]["median"])
+    peer = derived(result)["ffcv/torchvision"]
+    rounds = [a["value"] / b["value"] for a, b in zip(found["ffcv"]["repetitions"], found["torchvision"]["repetitions"])]
+    assert peer["per_round"] == pytest.approx(rounds)
+    assert derived(result)["ffcv/nvjpeg"]["status"] == "not available"
+
+
+def test_op_benchmark(results):
+    result = bench("op", *COMMON, "--batch-size", 4, "--image-size", 16, "--iterations", 2, "--steps", 1,
+                   "--num-classes", 4, "--out", results)
+    found = cases(result)
+    assert op_bytes(4, 16, torch.float32) == 4 * 16 * 16 * (3 + 3 + 6 * 4)  # read image + reference, write 6 fp32
+    assert result["config"]["resolved"]["bytes_per_call"] == 30720
+    copy, op, step = (found[n] for n in ("copy (same bytes)", "op: torch", "step: fastanchor_resnet_tiny@16 anchored"))
+    for case in (copy, op, step):
+        check_recorded(case)
+    assert found["op: triton"]["status"] == "not available"
+    assert [r["items"] for r in op["repetitions"]] == [2 * 30720, 2 * 30720]
+    assert [r["items"] for r in copy["repetitions"]] == [2 * 30720, 2 * 30720]  # 15360 bytes read + 15360 written
+    # share of a step: seconds per op call over seconds per step, from the medians
+    seconds_per_call = 30720 / (op["median"] * 1e9)
+    seconds_per_step = 4 / step["median"]
+    assert derived(result)["torch: share of a training step"]["value"] == pytest.approx(seconds_per_call / seconds_per_step)
+    assert derived(result)["torch: fraction of copy bandwidth"]["value"] == pytest.approx(op["median"] / copy["median"])
+
+
+def test_step_benchmark(results):
+    result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1,
+                   "--num-classes", 4, "--out", results)
+    found = cases(result)
+    label = "fastanchor_resnet_tiny@16"
+    for kind in ("standard", "anchored", "anchored+masked"):
+        assert [r["items"] for r in found[f"{label} {kind}"]["repetitions"]] == [4, 4]
+        check_recorded(found[f"{label} {kind}"])
+    ratio = derived(result)[f"{label}: anchored/standard"]
+    assert ratio["value"] == pytest.approx(found[f"{label} anchored"]["median"] / found[f"{label} standard"]["median"])
+
+
+def test_end_to_end_benchmark(tiny_dataset, results):
+    result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
+                   "--workers", 0, "--model", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--warmup-batches", 1,
+                   "--out", results, "--tag", "tiny")
+    found = cases(result)
+    label = "fastanchor_resnet_tiny@16"
+    for kind in ("standard", "anchored", "naive"):
+        assert [r["items"] for r in found[f"{label} {kind}"]["repetitions"]] == [12, 12]
+        check_recorded(found[f"{label} {kind}"])
+    assert set(derived(result)) == {f"{label}: anchored/standard", f"{label}: naive/standard", f"{label}: anchored/naive"}
+    assert (results / "e2e-cpu-tiny.json").exists()
+
+
+def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path):
+    from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
+
+    colours = {"a": (200, 30, 40), "b": (20, 180, 60), "c": (40, 50, 220)}
+    for name, colour in colours.items():
+        (tmp_path / name).mkdir()
+        for i, size in enumerate([(90, 60), (40, 70)]):
+            Image.new("RGB", size, colour).save(tmp_path / name / f"{i}.jpg", quality=100)
+    index = scan_image_folder(tmp_path)
+    loader = NvjpegLoader(index, batch_size=4, image_size=24, min_scale=0.35, workers=0, device="cpu", drop_last=False)
+    seen = []
+    for images, labels in loader:
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, 24, 24)
+        assert images.is_contiguous(memory_format=torch.channels_last) and labels.dtype == torch.long
+        for image, label in zip(images, labels.tolist()):
+            flat = np.asarray(Image.open(tmp_path / index.classes[label] / "0.jpg"))  # PIL's decode of the flat colour
+            expected = torch.tensor(flat.reshape(-1, 3).mean(0), dtype=torch.float32)
+            assert torch.allclose(image.float().mean((1, 2)), expected, atol=3)
+            seen.append(label)
+    assert sorted(seen) == sorted(label for _, label in index.samples)
+
+
+def test_schema_check_refuses_inconsistent_results(results):
+    good = json.loads(next(results.glob("step-cpu.json")).read_text())
+    validate_result(good)
+    for damage, message in [
+        (lambda r: r["cases"][0].update(median=r["cases"][0]["median"] * 2), "median"),
+        (lambda r: r["cases"][0]["repetitions"].pop(), "repetitions"),
+        (lambda r: r.pop("command"), "command"),
+        (lambda r: r["environment"].pop("cpu_count"), "cpu_count"),
+        (lambda r: r["derived"][0].update(value=r["derived"][0]["value"] + 1), "derived"),
+    ]:
+        broken = json.loads(json.dumps(good))
+        damage(broken)
+        with pytest.raises(ValueError, match=message):
+            validate_result(broken)
+
+
+def test_readme_block_from_result_files(results, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Performance\n\n{bench_readme.BEGIN}\nold\n{bench_readme.END}\n\n## After\n")
+    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    assert outcome.returncode == 0, outcome.stderr
+    text = readme.read_text()
+    assert text.startswith("# x\n\n## Performance\n\n") and text.endswith("\n## After\n") and "\nold\n" not in text
+    loader = json.loads((results / "loader-cpu.json").read_text())
+    efficiency = derived(loader)["efficiency: ffcv"]["value"]
+    row = next(line for line in text.splitlines() if line.startswith("| CPU: FFCV loader >= 80%"))
+    assert f"{100 * efficiency:.3g}%" in row and ("| met |" in row) == (efficiency >= 0.8) and "loader-cpu.md" in row
+    assert "GPU figures are not yet measured" in text and "CPU figures are not yet measured" not in text
+    assert "![loader on" in text
+    run_main("bench", "readme", "--results", results, "--readme", readme)
+    assert readme.read_text() == text  # regenerating from the same files changes nothing
+    readme.write_text("# no block\n")
+    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    assert outcome.returncode == 2 and "no generated performance block" in outcome.stderr
+    assert len(outcome.stderr.strip().splitlines()) == 1
+
+
+def test_committed_readme_block_matches_committed_results():
+    text = (REPO / "README.md").read_text()
+    start, end = text.index(bench_readme.BEGIN), text.index(bench_readme.END) + len(bench_readme.END)
+    expected = bench_readme.render_block(bench_readme.load_results(REPO / "benchmarks" / "results"), REPO)
+    assert text[start:end] == expected, "README's performance block is stale: run `fastanchor bench readme`"
+
+
+def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):
+    for args, expected in [
+        (["step", "--models", "resnet18", "--no-progress"], "expected <model name>@<image side"),
+        (["loader", "--data", tmp_path / "missing", "--no-progress"], "does not exist"),
+        (["loader", "--data", tiny_dataset / "train", "--loaders", "ffcv,tensorflow", "--no-progress"], "tensorflow"),
+        (["e2e", "--data", tiny_dataset / "train", "--batch-size", 64, "--loader", "torchvision", "--no-progress"],
+         "fewer than warmup_batches"),
+    ]:
+        outcome = run_main("bench", *args, "--out", tmp_path)
+        assert outcome.returncode == 2 and expected in outcome.stderr, outcome.stderr
+        assert len(outcome.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("*.json"))

@@ -1,0 +1,122 @@
+"""Several training processes (torchrun, gloo on the CPU): sharded data, the same training as one
+process with the same global batch, and an exact resume of a 2-process run."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import run_main, tiny_overrides
+from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
+from fastanchor.trainer.checkpoint import checkpoint_name
+
+# GroupNorm, no BatchNorm: with BatchNorm each process would normalise by its own half batch's
+# statistics, a different function from one process's full batch, not a rounding difference.
+STANDARD = {"model.name": "test_efficientnet_gn", "anchor.enabled": "false", "optim.name": "sgd", "optim.lr": 0.05,
+            "train.epochs": 2, "train.threads": 1, "train.deterministic": "true", "train.checkpoint_interval": 1,
+            "train.log_interval": 1}
+GLOBAL_BATCH = 16  # 48 training images: 3 steps an epoch
+
+
+def torchrun(processes: int, *args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "fastanchor", *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tiny_dataset, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    args = tiny_overrides(tiny_dataset, root, **STANDARD, **{"data.batch_size": GLOBAL_BATCH // 2, "train.run_name": "two"})
+    torchrun(2, "train", *args)
+    return root / "two"
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(two_process_run, tiny_dataset, tmp_path):
+    one = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **STANDARD, **{
+        "data.batch_size": GLOBAL_BATCH, "train.run_name": "one"}))
+    assert one.returncode == 0, one.stderr
+    # Same samples and augmentations in each global batch; the gradient is (g_rank0 + g_rank1) / 2 from
+    # an all-reduce instead of one mean over 16 samples: equal up to float32 summation order. After one
+    # step the weights differ by rounding (measured 3e-8); training amplifies that (measured 7e-5 after
+    # 6 steps, weights up to 1.6). The first step itself moves the weights by up to 3e-4, so a real
+    # difference (other samples, summed instead of averaged gradients) shows far above 1e-6.
+    for checkpoint, tolerance in ((checkpoint_name(1, 1, False), 1e-6), (checkpoint_name(2, 6, True), 2e-4)):
+        single = torch.load(tmp_path / "one" / "checkpoints" / checkpoint, weights_only=True)
+        double = torch.load(two_process_run / "checkpoints" / checkpoint, weights_only=True)
+        assert double["world_size"] == 2 and len(double["ranks"]) == 2 and single["step"] == double["step"]
+        for key, value in single["model"].items():
+            difference = (double["model"][key].float() - value.float()).abs().max().item()
+            assert difference <= tolerance, (checkpoint, key, difference)
+    records_one = read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    records_two = read_jsonl(two_process_run / "metrics.jsonl")  # written by rank 0 only, once
+    assert [r.keys() for r in records_two] == [r.keys() for r in records_one]
+    for a, b in zip(records_one, records_two):  # losses and validation reduced over both processes
+        for key in ("loss", "train_loss", "val_top1", "val_top5"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4), key
+
+
+def test_a_two_process_run_resumes_exactly_from_a_mid_epoch_checkpoint(two_process_run, tmp_path):
+    finished = torch.load(two_process_run / "final.pt", weights_only=True)
+    run = tmp_path / "two"
+    shutil.copytree(two_process_run, run, symlinks=True)
+    resumed = torchrun(2, "train", "--resume", run / "checkpoints" / checkpoint_name(2, 4, False),
+                       "--set", "train.progress=false")
+    assert "resuming from" in resumed.stdout and "(epoch 2, batch 1 of 3, step 4)" in resumed.stdout
+    again = torch.load(run / "final.pt", weights_only=True)
+    for key, value in finished["model"].items():
+        assert torch.equal(again["model"][key], value), key
+    assert read_jsonl(run / "metrics.jsonl")[-1]["train_loss"] == read_jsonl(two_process_run / "metrics.jsonl")[-1]["train_loss"]
+
+
+def test_epoch_shards_split_each_global_batch_between_processes():
+    n, batch, world = 10, 2, 3
+    whole, seeds = epoch_shard(n, seed=7, epoch=3, shuffle=True)
+    shards = [epoch_shard(n, seed=7, epoch=3, shuffle=True, rank=r, world_size=world) for r in range(world)]
+    assert sorted(whole.tolist()) == list(range(n))
+    assert all(len(s) == 4 for s, _ in shards)  # ceil(10 / 3): padded with the permutation's first samples
+    padded = torch.cat([whole, whole[:2]])
+    for k in range(2):  # batch k of the 3 processes = samples k*6 .. k*6+5 of the padded order
+        together = torch.cat([s[k * batch:(k + 1) * batch] for s, _ in shards])
+        assert sorted(together.tolist()) == sorted(padded[k * batch * world:(k + 1) * batch * world].tolist())
+    assert all(torch.equal(s, seeds) for _, s in shards)  # augmentation seeds do not depend on the rank
+    again, _ = epoch_shard(n, seed=7, epoch=3, shuffle=True)
+    other, _ = epoch_shard(n, seed=7, epoch=4, shuffle=True)
+    assert torch.equal(whole, again) and not torch.equal(whole, other)
+    evaluation = [epoch_shard(n, seed=0, epoch=0, shuffle=False, rank=r, world_size=world)[0] for r in range(world)]
+    assert sorted(torch.cat(evaluation).tolist()) == list(range(n))  # every sample exactly once, no padding
+
+
+def test_sharded_torchvision_batches_match_one_process_image_for_image(tiny_dataset):
+    """Real JPEGs, real random crops: two ranks' batches together are one process's global batch,
+    whatever the number of workers, and `iter_from` starts an epoch mid-way without decoding."""
+    dataset = DecodedImages(scan_image_folder(tiny_dataset / "train"), train_transform(32, 0.35))
+
+    def batches(batch_size, rank=0, world_size=1, workers=0, first=0):
+        loader = TorchvisionLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, workers=workers,
+                                   device="cpu", seed=5, rank=rank, world_size=world_size)
+        loader.set_epoch(2)
+        return list(loader.iter_from(first))
+
+    one = batches(16)
+    ranks = [batches(8, rank=r, world_size=2, workers=2 * r) for r in range(2)]  # rank 1 decodes in 2 workers
+    assert len(one) == len(ranks[0]) == len(ranks[1]) == 3
+    for k, (images, labels) in enumerate(one):
+        parts = [ranks[0][k], ranks[1][k]]
+        together = torch.cat([p[0] for p in parts]).flatten(1)
+        key = lambda rows: sorted(map(tuple, rows.tolist()))  # noqa: E731 - compare as sets of images
+        assert key(together) == key(images.flatten(1))
+        assert sorted(torch.cat([p[1] for p in parts]).tolist()) == sorted(labels.tolist())
+    tail = batches(16, first=1)
+    assert len(tail) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(tail, one[1:]))

@@ -1,0 +1,124 @@
+"""Several training processes (torchrun): who am I, and the few collective operations the loop needs.
+
+`torchrun --nproc_per_node N -m fastanchor train ...` starts N copies of the trainer with RANK,
+LOCAL_RANK and WORLD_SIZE set; `start_processes` joins them into one process group (NCCL on
+CUDA, one GPU per process; gloo on the CPU). Without torchrun everything here is a no-op for a
+single process, so the loop reads the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fastanchor.trainer.errors import ConfigError, FastAnchorError
+
+
+@dataclass(frozen=True)
+class Processes:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def several(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main(self) -> bool:
+        """Only the main process (rank 0) writes files and shows progress."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name} = {value!r}: expected an integer (set by torchrun)") from None
+
+
+def start_processes(device: torch.device) -> tuple[Processes, torch.device]:
+    """Join the process group torchrun describes in the environment; return who we are and our device.
+
+    On CUDA each process takes GPU LOCAL_RANK (whatever index train.device names)."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size <= 1:
+        return Processes(), device
+    processes = Processes(rank=_env_int("RANK", 0), world_size=world_size, local_rank=_env_int("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        if processes.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK = {processes.local_rank}, but this machine has {torch.cuda.device_count()} "
+                              f"GPUs: expected at most one process per GPU (torchrun --nproc_per_node)")
+        device = torch.device("cuda", processes.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=processes.rank, world_size=world_size)
+    return processes, device
+
+
+def stop_processes(processes: Processes) -> None:
+    if processes.several and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(processes: Processes, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `tensor` in place over all processes (sum by default) and return it."""
+    if processes.several:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def broadcast_from_main(processes: Processes, value):
+    """Rank 0's `value` on every process (any picklable object)."""
+    if not processes.several:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_main(processes: Processes, value) -> list | None:
+    """[value of rank 0, value of rank 1, ...] on rank 0, None elsewhere (tensors must be on the CPU)."""
+    if not processes.several:
+        return [value]
+    gathered = [None] * processes.world_size if processes.main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def broadcast_module_buffers(processes: Processes, module: torch.nn.Module) -> None:
+    """Give every process rank 0's buffers (BatchNorm running statistics drift apart per rank)."""
+    if processes.several:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def on_main(processes: Processes, work):
+    """`work()` on rank 0 only; its result (any picklable value) or its FastAnchorError reaches every rank,
+    so no process is left waiting for the others."""
+    if not processes.several:
+        return work()
+    outcome = None
+    if processes.main:
+        try:
+            outcome = ("result", work())
+        except FastAnchorError as error:
+            outcome = ("error", error)
+    kind, value = broadcast_from_main(processes, outcome)
+    if kind == "error":
+        raise value
+    return value
+
+
+def main_first(processes: Processes, work):
+    """`work()` on rank 0, then on the other ranks (e.g. writing a dataset once, then finding it there);
+    a FastAnchorError on rank 0 is raised on every rank. Each rank returns its own result."""
+    if not processes.several:
+        return work()
+    results = []
+    on_main(processes, lambda: results.append(work()))  # only success or failure travels
+    return results[0] if processes.main else work()

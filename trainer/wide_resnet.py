@@ -1,0 +1,114 @@
+"""Wide ResNets for 32 px images (Zagoruyko & Komodakis 2016), registered in timm's registry.
+
+``fastanchor_wrn40_2`` is WRN-40-2, the CIFAR network of the anchoring papers: a 3x3 stem of 16
+channels, three stages of (40 - 4) / 6 = 6 pre-activation basic blocks (BN-ReLU-conv3x3 twice) of
+widths 32, 64, 128 at strides 1, 2, 2, a final BN-ReLU, global average pooling and a Linear head
+``fc`` (2.2 M parameters at 10 classes). ``timm.create_model("fastanchor_wrn40_2", num_classes=100)``
+builds it once ``fastanchor.trainer.models`` is imported.
+"""
+
+from __future__ import annotations
+
+import timm
+import torch
+from timm.layers import create_classifier
+from timm.models import build_model_with_cfg, register_model
+from torch import nn
+
+from fastanchor.trainer.errors import ConfigError
+
+WRN40_2 = "fastanchor_wrn40_2"
+
+
+class _PreActBlock(nn.Module):
+    """BN-ReLU-conv3x3(stride)-BN-ReLU-(dropout)-conv3x3, plus the input, or a 1x1 projection of the
+    pre-activated input when the width or the resolution changes."""
+
+    def __init__(self, in_chs: int, out_chs: int, stride: int, drop_rate: float):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(in_chs)
+        self.act1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(in_chs, out_chs, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_chs)
+        self.act2 = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
+        self.conv2 = nn.Conv2d(out_chs, out_chs, 3, 1, 1, bias=False)
+        self.shortcut = None if in_chs == out_chs and stride == 1 else nn.Conv2d(in_chs, out_chs, 1, stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        activated = self.act1(self.bn1(x))
+        shortcut = x if self.shortcut is None else self.shortcut(activated)
+        out = self.conv2(self.drop(self.act2(self.bn2(self.conv1(activated)))))
+        return out + shortcut
+
+
+class WideResNet(nn.Module):
+    """WRN-depth-widen for 32 px inputs, with timm's model interface (num_classes, in_chans, heads, features)."""
+
+    def __init__(self, depth: int = 40, widen: int = 2, num_classes: int = 10, in_chans: int = 3,
+                 block_drop_rate: float = 0.0, drop_rate: float = 0.0, global_pool: str = "avg"):
+        super().__init__()
+        if (depth - 4) % 6:
+            raise ConfigError(f"WideResNet depth {depth}: expected 6n + 4")
+        blocks = (depth - 4) // 6
+        self.num_classes, self.in_chans, self.drop_rate = num_classes, in_chans, drop_rate
+        self.stem = nn.Conv2d(in_chans, 16, 3, 1, 1, bias=False)
+        self.feature_info = [dict(num_chs=16, reduction=1, module="stem")]
+        stages, prev, reduction = [], 16, 1
+        for i, (width, stride) in enumerate(zip((16 * widen, 32 * widen, 64 * widen), (1, 2, 2))):
+            reduction *= stride
+            stages.append(nn.Sequential(*[
+                _PreActBlock(prev if j == 0 else width, width, stride if j == 0 else 1, block_drop_rate)
+                for j in range(blocks)]))
+            self.feature_info.append(dict(num_chs=width, reduction=reduction, module=f"stages.{i}"))
+            prev = width
+        self.stages = nn.Sequential(*stages)
+        self.norm = nn.BatchNorm2d(prev)
+        self.act = nn.ReLU(inplace=True)
+        self.num_features = self.head_hidden_size = prev
+        self.global_pool, self.fc = create_classifier(prev, num_classes, pool_type=global_pool)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
+        self.num_classes = num_classes
+        self.global_pool, self.fc = create_classifier(self.num_features, num_classes, pool_type=global_pool)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.stages(self.stem(x))))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.global_pool(x)
+        if self.drop_rate:
+            x = nn.functional.dropout(x, p=self.drop_rate, training=self.training)
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+# Read by timm's register_model (this module's default_cfgs) and build_model_with_cfg.
+default_cfgs = {
+    WRN40_2: dict(url="", num_classes=10, input_size=(3, 32, 32), pool_size=(8, 8), crop_pct=1.0,
+                  interpolation="bilinear", mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
+                  first_conv="stem", classifier="fc", license="apache-2.0"),
+}
+
+
+def fastanchor_wrn40_2(pretrained: bool = False, **kwargs) -> WideResNet:
+    """WRN-40-2 for CIFAR (2.2 M parameters at 10 classes)."""
+    if pretrained:
+        raise ConfigError(f"{WRN40_2} has no pretrained weights: set pretrained to false")
+    return build_model_with_cfg(WideResNet, WRN40_2, pretrained=False, depth=40, widen=2,
+                                feature_cfg=dict(flatten_sequential=True), **kwargs)
+
+
+if not timm.is_model(WRN40_2):  # importing twice (or under two names) must not re-register
+    register_model(fastanchor_wrn40_2)
