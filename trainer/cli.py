@@ -1,4 +1,4 @@
-"""The `fastanchor` command: prepare, train, evaluate, robustness, linear-probe, report, demo, bench."""
+"""The `fastanchor` command: prepare, train, evaluate, finetune-ood, robustness, linear-probe, report, demo, bench."""
 
 from __future__ import annotations
 
@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
 
+    finetune = commands.add_parser(
+        "finetune-ood", help="sharpness-aware OOD fine-tuning (SFT) of a checkpoint, evaluated before and after",
+        epilog="--set accepts finetune_ood.*, data.* and eval.* options; the rest come from the checkpoint.\n"
+               "Writes finetuned.pt, summary.json, summary.md and metrics.jsonl into --out.\n" + options,
+        formatter_class=formatter)
+    finetune.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) written by fastanchor train")
+    finetune.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    finetune.add_argument("--out", default=None, help="output directory (default: <run>/finetune_ood beside the checkpoint's run)")
+    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     robustness = commands.add_parser(
         "robustness", formatter_class=formatter,
         help="effective robustness over training: every per-epoch checkpoint on an ID and an OOD set, ER per epoch",
@@ -198,6 +207,13 @@ def run(args: argparse.Namespace) -> int:
         from fastanchor.trainer.evaluate import evaluate_checkpoint
 
         print(json.dumps(evaluate_checkpoint(Path(args.checkpoint), args.overrides, args.device), indent=2))
+    elif args.command == "finetune-ood":
+        from fastanchor.trainer.finetune_ood import finetune_ood, markdown_table, output_directory
+
+        summary = finetune_ood(Path(args.checkpoint), args.overrides, args.device, args.out)
+        print(markdown_table(summary["before"], summary["after"]))
+        out = Path(args.out) if args.out else output_directory(Path(args.checkpoint))
+        print(f"fine-tuned checkpoint, summary.json, summary.md and metrics.jsonl written to {out}")
     elif args.command == "robustness":
         from fastanchor.trainer.robustness import RobustnessSpec, robustness_over_training
 

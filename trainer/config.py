@@ -170,6 +170,20 @@ class EvalConfig:
 
 
 @dataclass
+class FinetuneOODConfig:
+    optimizer: str = _opt("sam_norm", "sam_norm: SAM perturbing only the normalisation layers (BatchNorm*, LayerNorm, GroupNorm, by module type; the SFT paper); sam: SAM perturbing every parameter; sgd: no perturbation (ablations). The descent step always updates every parameter", choices=("sam_norm", "sam", "sgd"))
+    steps: int = _opt(50, "fine-tuning steps (batches of data.batch_size training images)")
+    lr: float = _opt(1e-3, "learning rate of the descent step (SGD, constant)")
+    momentum: float = _opt(0.9, "SGD momentum of the descent step")
+    weight_decay: float = _opt(1e-5, "weight decay of the descent step (on every parameter)")
+    rho: float = _opt(0.5, "SAM perturbation radius: the ascent moves the perturbed parameters by rho in L2 norm")
+    ood_weight: float = _opt(1.0, "lambda: weight of the distance to the uniform distribution on pseudo-OOD images, added to the ID cross-entropy")
+    jigsaw_grids: list = _opt([2, 3, 5, 10, 15, 30, 60], "jigsaw grids (patches per side), one drawn per step; only grids dividing data.image_size are used, so that the patches tile the image")
+    batchnorm: str = _opt("id_batches", "BatchNorm during fine-tuning: id_batches (normalise with batch statistics; running statistics updated only by the ID batch at the unperturbed weights) or frozen (normalise with the running statistics, never updated)", choices=("id_batches", "frozen"))
+    seed: int = _opt(0, "seed of the data order, pseudo-OOD shuffles and references while fine-tuning")
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
@@ -179,6 +193,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    finetune_ood: FinetuneOODConfig = field(default_factory=FinetuneOODConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -428,6 +443,15 @@ def validate(config: Config) -> None:
            f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")
     _check(all(isinstance(s, int) and 1 <= s <= 5 for s in e.severities), f"eval.severities = {e.severities}: expected integers 1 to 5")
     _check(e.num_references >= 1, f"eval.num_references = {e.num_references}: expected >= 1")
+    f = config.finetune_ood
+    _check(f.steps >= 1, f"finetune_ood.steps = {f.steps}: expected >= 1")
+    _check(f.lr > 0, f"finetune_ood.lr = {f.lr}: expected > 0")
+    _check(0.0 <= f.momentum < 1.0, f"finetune_ood.momentum = {f.momentum}: expected [0, 1)")
+    _check(f.weight_decay >= 0, f"finetune_ood.weight_decay = {f.weight_decay}: expected >= 0")
+    _check(f.rho > 0, f"finetune_ood.rho = {f.rho}: expected > 0")
+    _check(f.ood_weight >= 0, f"finetune_ood.ood_weight = {f.ood_weight}: expected >= 0")
+    _check(len(f.jigsaw_grids) > 0 and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 for g in f.jigsaw_grids),
+           f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: expected a non-empty list of integers >= 2")
     emb = config.embedded
     _check(32 <= emb.image_size <= 256, f"embedded.image_size = {emb.image_size}: expected 32 to 256 pixels")
     from fastanchor.trainer.models import check_model_name  # imported late: timm is slow to import

@@ -9,6 +9,8 @@ uniform target stays uniform.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -52,3 +54,15 @@ def anchored_cross_entropy(
     if mix is not None:
         targets = mixed_targets(targets, mix.partner, mix.lam)
     return -(targets * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+def distance_to_uniform(logits: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of KL(U || softmax(logits)) = -log C - (1/C) sum_c log p_c, in float32.
+
+    The SFT loss's D(f(x'), U) on pseudo-OOD images. The paper (eq. 2) names D only as a
+    statistical distance between the output and the uniform distribution U, following Outlier
+    Exposure; OE's term is the cross-entropy from U to the softmax, -(1/C) sum_c log p_c, which is
+    this KL divergence plus the constant log C: the same gradients, and zero exactly at uniform.
+    """
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return (-math.log(logits.shape[-1]) - log_probs.mean(-1)).mean()

@@ -1,0 +1,90 @@
+"""Pseudo-OOD images made from an ID batch on its own device (the SFT paper's two shuffles).
+
+Both ops take uint8 images [B, 3, H, W] in any memory layout, on any device, and return a new
+uint8 channels-last batch of the same shape on the same device; each output image is a
+permutation of its input image's values (nothing is interpolated, clipped or blended):
+
+- `jigsaw_shuffle(images, grid)`: each image is cut into a grid x grid array of equal patches
+  (H/grid x W/grid pixels) that are put back in a random order, drawn independently per image.
+- `channel_shuffle(images)`: the three colour channels of each image are put in a random order,
+  drawn independently per image (the identity order included, as in the paper).
+
+Which grids an image size allows (the clipping rule): the patches must tile the image exactly,
+so a grid g is allowed iff g divides both H and W; `allowed_grids` keeps, in the order given,
+the requested grids with that property. At 480 x 480 (the paper's resolution) every grid of
+[2, 3, 5, 10, 15, 30, 60] is allowed; at 32 x 32 only 2; at 60 x 60 all of them; at 224 x 224
+only 2. A grid equal to the side cuts 1-pixel patches (a full pixel shuffle).
+
+Randomness comes from a CPU `torch.Generator` (seeded by the caller, so a run is reproducible on
+any device); only the small index tensors travel to the images' device. The ops are one gather
+each in torch; a numba CPU path was not written (see `pseudo_ood`'s note).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+SFT_GRIDS = (2, 3, 5, 10, 15, 30, 60)  # the paper's patch-grid choices, drawn once per step
+
+
+def allowed_grids(height: int, width: int, grids: Sequence[int] = SFT_GRIDS) -> list[int]:
+    """The grids (in the order given) whose equal patches tile an H x W image: g divides H and W."""
+    return [g for g in grids if g >= 1 and height % g == 0 and width % g == 0]
+
+
+def draw_grid(grids: Sequence[int], generator: torch.Generator) -> int:
+    """One grid drawn uniformly from `grids` (a non-empty list, e.g. `allowed_grids(...)`)."""
+    if not grids:
+        raise ValueError("no jigsaw grid to draw from: expected a non-empty list of grids")
+    return int(grids[int(torch.randint(len(grids), (), generator=generator))])
+
+
+def _check_images(images: torch.Tensor) -> None:
+    if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"expected uint8 images [B, 3, H, W], got {images.dtype} {tuple(images.shape)}")
+
+
+def _per_image_orders(batch: int, count: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """[batch, count] int64: an independent uniformly random permutation of range(count) per row."""
+    return torch.argsort(torch.rand(batch, count, generator=generator), dim=1).to(device)
+
+
+def jigsaw_shuffle(images: torch.Tensor, grid: int, generator: torch.Generator) -> torch.Tensor:
+    """Cut each image into grid x grid equal patches and reassemble them in a random order (per image).
+
+    Output patch k of image b is input patch order[b, k] of the same image (patches numbered
+    row-major). Raises ValueError when the patches would not tile the image (see `allowed_grids`).
+    """
+    _check_images(images)
+    b, c, h, w = images.shape
+    if grid < 1 or h % grid or w % grid:
+        raise ValueError(f"jigsaw grid {grid} does not tile a {h} x {w} image: expected a divisor of both sides")
+    ph, pw = h // grid, w // grid
+    # work in NHWC (a free view of a channels-last batch): [B, g, ph, g, pw, C] -> [B, g*g, ph, pw, C]
+    patches = images.permute(0, 2, 3, 1).reshape(b, grid, ph, grid, pw, c).transpose(2, 3).reshape(b, grid * grid, ph, pw, c)
+    order = _per_image_orders(b, grid * grid, generator, images.device)
+    shuffled = patches[torch.arange(b, device=images.device).view(-1, 1), order]
+    nhwc = shuffled.reshape(b, grid, grid, ph, pw, c).transpose(2, 3).reshape(b, h, w, c)
+    return nhwc.permute(0, 3, 1, 2)  # NCHW shape over contiguous NHWC memory: channels-last
+
+
+def channel_shuffle(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Put the three colour channels of each image in a random order (per image)."""
+    _check_images(images)
+    b = images.shape[0]
+    order = _per_image_orders(b, 3, generator, images.device)
+    nhwc = images.permute(0, 2, 3, 1)
+    shuffled = torch.gather(nhwc, 3, order.view(b, 1, 1, 3).expand_as(nhwc))
+    return shuffled.permute(0, 3, 1, 2)
+
+
+def pseudo_ood(images: torch.Tensor, grid: int, generator: torch.Generator) -> torch.Tensor:
+    """The SFT pseudo-OOD batch: jigsaw patch shuffling at `grid`, then RGB channel shuffling.
+
+    Both shuffles are applied to every image (the paper uses both at each iteration). A numba CPU
+    path would not pay: on the CPU this op costs well under 1% of a fine-tuning step of even the
+    demo model (measured in tests/test_pseudo_ood.py's docstring numbers, see the README).
+    """
+    return channel_shuffle(jigsaw_shuffle(images, grid, generator), generator)

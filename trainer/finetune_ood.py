@@ -1,0 +1,266 @@
+"""Sharpness-aware OOD fine-tuning (SFT; "Why SAM Fine-tuning Can Benefit OOD Detection").
+
+    fastanchor finetune-ood --checkpoint runs/RUN/final.pt        # or finetune_ood(path) in Python
+
+Loads a trained standard or anchored checkpoint, evaluates it, fine-tunes it for
+`finetune_ood.steps` steps, evaluates it again, and writes into `<run>/finetune_ood/`:
+
+    finetuned.pt    the fine-tuned checkpoint (training's format: `fastanchor evaluate` reads it)
+    summary.json    {"before": {...}, "after": {...}} (eval.json-shaped) and the settings used
+    summary.md      the before/after table
+    metrics.jsonl   one line per step: losses, the jigsaw grid, images/s
+
+One step, top to bottom:
+
+    uint8 ID batch on the device -> pseudo-OOD batch made from it on the device (jigsaw at a grid
+    drawn per step, then RGB channel shuffle; kernels/pseudo_ood.py) -> both through the anchoring
+    stage (the checkpoint's inference references, no masking; normalisation only for standard
+    models) -> loss CE(f(x), y) + lambda * KL(U || softmax f(x')) -> one SAM step (trainer/sam.py).
+
+BatchNorm: running statistics move only with the ID batch at the unperturbed weights
+(`finetune_ood.batchnorm = id_batches`) or never (`frozen`); the pseudo-OOD forwards and the
+whole pass at the ascended weights leave them untouched (see trainer/sam.py).
+Precision: bf16 autocast where train.amp resolves to bf16 (CUDA), float32 otherwise (fp16 would
+need loss scaling in both SAM passes; 50 steps are cheap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from collections.abc import Callable
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from tqdm import tqdm
+
+from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, pseudo_ood
+from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage, to_device_batch
+from fastanchor.pipeline.data import eval_loader, split_index, train_loader
+from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.references import FixedReferenceSet
+from fastanchor.trainer.checkpoint import atomic_write_bytes, save_checkpoint
+from fastanchor.trainer.config import Config
+from fastanchor.trainer.errors import ConfigError, DataError, TrainingError
+from fastanchor.trainer.evaluate import accuracy, collect, load_for_inference
+from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
+from fastanchor.trainer.metrics import auroc, energy_score, fpr_at_tpr, maxlogit_score, msp_score
+from fastanchor.trainer.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
+from fastanchor.trainer.train import amp_dtype, resolve_device, seed_everything
+
+SCORES = {"energy": energy_score, "msp": msp_score, "maxlogit": maxlogit_score}
+CONVENTION = ("ID is the positive class and a higher score means more in-distribution; FPR95 is the fraction of "
+              "OOD images scoring at or above the threshold that keeps 95% of ID images")
+
+
+def jigsaw_grids(config: Config) -> list[int]:
+    """The configured jigsaw grids that tile data.image_size (kernels/pseudo_ood.py's rule); ConfigError if none."""
+    f, size = config.finetune_ood, config.data.image_size
+    grids = allowed_grids(size, size, f.jigsaw_grids)
+    if not grids:
+        raise ConfigError(f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: none divides data.image_size = {size}, "
+                          f"so no grid of equal patches tiles the image; add a divisor of {size}")
+    return grids
+
+
+def output_directory(checkpoint: Path) -> Path:
+    """<run>/finetune_ood for a checkpoint in <run>/ or <run>/checkpoints/ (final.pt is followed)."""
+    resolved = Path(checkpoint).resolve()
+    run_dir = resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
+    return run_dir / "finetune_ood"
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation (the safety-suite subset SFT is judged by)
+
+
+def safety_metrics(model, config: Config, state: dict, device: torch.device, *, label: str, progress: bool) -> dict:
+    """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit): an eval.json-shaped dict.
+
+    Anchored models: accuracy with one random reference per image, scores over K =
+    eval.num_references references (plus the std score), as `fastanchor evaluate` does.
+    """
+    anchored, e, d = config.anchor.enabled, config.eval, config.data
+    references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
+    k = e.num_references if anchored else 1
+    val_index = split_index(d, d.val_split, tuple(state["classes"]))
+    ood_index = scan_image_folder(Path(d.root) / d.ood_split)
+
+    def run(index, desc, references_per_image=1):
+        return collect(model, eval_loader(d, index, device), anchored=anchored, references=references,
+                       num_references=references_per_image, seed=e.seed, desc=f"{label}: {desc}", progress=progress)
+
+    model.eval()
+    clean = run(val_index, "ID")
+    clean_k = run(val_index, f"ID K={k}", k) if k > 1 else clean
+    ood = run(ood_index, f"OOD K={k}", k)
+    id_scores = {name: fn(clean_k["logits"]) for name, fn in SCORES.items()}
+    ood_scores = {name: fn(ood["logits"]) for name, fn in SCORES.items()}
+    if anchored and k > 1:
+        id_scores["anchored_std"], ood_scores["anchored_std"] = -clean_k["std"], -ood["std"]
+    per_score = {name: {"auroc": auroc(id_scores[name], ood_scores[name]), "fpr95": fpr_at_tpr(id_scores[name], ood_scores[name])}
+                 for name in id_scores}
+    return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
+            "id": {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"]},
+            "ood": {"convention": CONVENTION, "positive": "id",
+                    "auroc": {name: values["auroc"] for name, values in per_score.items()},
+                    "sets": {d.ood_split: per_score}}}
+
+
+def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:
+    """(metric, before, after) in percent, in a fixed order."""
+    rows = [("ID top-1 (%)", before["id"]["top1"], after["id"]["top1"])]
+    (ood_set, scores_before), = before["ood"]["sets"].items()
+    scores_after = after["ood"]["sets"][ood_set]
+    for name in scores_before:
+        rows.append((f"FPR95, {name} (%, lower is better)", 100 * scores_before[name]["fpr95"], 100 * scores_after[name]["fpr95"]))
+        rows.append((f"AUROC, {name} (%)", 100 * scores_before[name]["auroc"], 100 * scores_after[name]["auroc"]))
+    return rows
+
+
+def markdown_table(before: dict, after: dict) -> str:
+    lines = ["| metric | before | after | change |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {b:.2f} | {a:.2f} | {a - b:+.2f} |" for name, b, a in summary_rows(before, after)]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning
+
+
+def perturbed_parameters(model: torch.nn.Module, optimizer: str) -> list[torch.nn.Parameter]:
+    """What SAM's ascent moves: the normalisation layers (sam_norm), everything (sam), nothing (sgd)."""
+    if optimizer == "sgd":
+        return []
+    if optimizer == "sam":
+        return [p for p in model.parameters() if p.requires_grad]
+    found = normalization_parameters(model)
+    if not found:
+        names = ", ".join(t.__name__ for t in NORM_TYPES)
+        raise ConfigError(f"finetune_ood.optimizer = 'sam_norm': {type(model).__name__} has no trainable "
+                          f"normalisation layer ({names}) to perturb; use sam or sgd")
+    return found
+
+
+def set_finetune_mode(model: torch.nn.Module, batchnorm: str) -> None:
+    """Training mode (dropout on); with batchnorm = 'frozen', BatchNorm layers stay in eval mode."""
+    model.train()
+    if batchnorm == "frozen":
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                module.eval()
+
+
+def sft_loss(model: torch.nn.Module, id_batch: AnchoredBatch, ood_batch: AnchoredBatch, ood_weight: float,
+             dtype: torch.dtype | None = None) -> Callable[[], dict]:
+    """The SFT loss of one step as a closure for `sam_step`: CE on ID + ood_weight * KL(U || p) on pseudo-OOD.
+
+    The ID forward may update BatchNorm running statistics (when the layers are in training
+    mode and `sam_step` allows it); the pseudo-OOD forward never does. `dtype`: autocast dtype or None.
+    """
+    def closure() -> dict:
+        device_type = id_batch.inputs.device.type
+        with torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext():
+            id_loss = anchored_cross_entropy(model(id_batch.inputs), id_batch.labels)
+            with running_stats_frozen(model):
+                ood_loss = distance_to_uniform(model(ood_batch.inputs))
+        return {"loss": id_loss + ood_weight * ood_loss, "id_loss": id_loss, "ood_loss": ood_loss}
+
+    return closure
+
+
+def endless(loader):
+    """The loader's batches epoch after epoch (reshuffled each epoch)."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.device, *, progress: bool) -> list[dict]:
+    """Fine-tune `model` in place as config.finetune_ood says; return one record per step."""
+    f, d = config.finetune_ood, config.data
+    grids = jigsaw_grids(config)
+    train_index = split_index(d, d.train_split, tuple(state["classes"]))
+    loader = train_loader(d, train_index, device, f.seed)
+    if len(loader) == 0:
+        raise ConfigError(f"data.batch_size = {d.batch_size} is larger than the {len(train_index)} training images "
+                          f"with drop_last: expected a smaller batch")
+    anchored = config.anchor.enabled
+    references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
+    dtype = amp_dtype(config.train.amp, device)
+    dtype = dtype if dtype == torch.bfloat16 else None
+    stage = AnchoringStage(loader, AnchoringSpec(anchored=anchored, alpha=0.0), references=references,
+                           device=device, dtype=dtype or torch.float32, seed=f.seed)
+    generator = torch.Generator().manual_seed(f.seed)
+    perturbed = perturbed_parameters(model, f.optimizer)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=f.lr,
+                                momentum=f.momentum, weight_decay=f.weight_decay)
+    set_finetune_mode(model, f.batchnorm)
+
+    records, started, seen = [], time.perf_counter(), 0
+    batches = endless(loader)
+    bar = tqdm(range(f.steps), desc="finetune-ood", disable=not progress, unit="step", dynamic_ncols=True)
+    for step in bar:
+        images, labels = to_device_batch(*next(batches), device)
+        grid = draw_grid(grids, generator)
+        id_batch = stage.process(images, labels)
+        ood_batch = stage.process(pseudo_ood(images, grid, generator), labels)
+
+        closure = sft_loss(model, id_batch, ood_batch, f.ood_weight, dtype)
+        losses = {key: value.item() for key, value in sam_step(model, optimizer, closure, perturbed, f.rho).items()}
+        if not all(map(math.isfinite, losses.values())):
+            raise TrainingError(f"the fine-tuning loss became {losses['loss']} at step {step + 1}; nothing was written")
+        seen += labels.numel()
+        images_per_s = seen / (time.perf_counter() - started)
+        records.append({"step": step + 1, **losses, "grid": grid, "images_per_s": images_per_s})
+        bar.set_postfix(loss=f"{losses['loss']:.3f}", ood=f"{losses['ood_loss']:.3f}", img_s=f"{images_per_s:.0f}")
+    model.eval()
+    return records
+
+
+def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out_dir: str | Path | None = None,
+                 progress: bool | None = None) -> dict:
+    """Evaluate, fine-tune (SFT), evaluate again; write the results (module docstring); return the summary."""
+    path = Path(checkpoint)
+    device = resolve_device(device)
+    model, config, state = load_for_inference(path, device, overrides)
+    f, d = config.finetune_ood, config.data
+    out = Path(out_dir) if out_dir else output_directory(path)
+    if (out / "summary.json").exists():
+        raise ConfigError(f"'{out / 'summary.json'}' already exists: pass another output directory (--out) to keep it")
+    grids = jigsaw_grids(config)
+    if not d.ood_split or not (Path(d.root) / d.ood_split).is_dir():
+        raise DataError(f"OOD split '{Path(d.root) / d.ood_split}' does not exist: finetune-ood evaluates OOD detection "
+                        f"before and after, expected data.ood_split to name a split folder under data.root")
+    progress = config.train.progress if progress is None else progress
+    seed_everything(f.seed)
+
+    before = safety_metrics(model, config, state, device, label=str(path), progress=progress)
+    records = finetune(model, config, state, device, progress=progress)
+    finetuned = out / "finetuned.pt"
+    after = safety_metrics(model, config, state, device, label=str(finetuned), progress=progress)
+
+    settings = {"checkpoint": str(path), "finetuned_checkpoint": str(finetuned), "device": str(device),
+                "jigsaw_grids_used": grids,
+                "ood_distance": "KL(U || softmax(logits))", **dataclasses.asdict(f)}
+    summary = {"before": before, "after": after, "finetune_ood": settings}
+    save_checkpoint(finetuned, {**{key: state[key] for key in ("classes", "epoch", "step", "reference_images")},
+                                "config": config.to_dict(), "model": model.state_dict(), "metrics": after,
+                                "finetuned_from": str(path)})
+    table = markdown_table(before, after)
+    text = (f"# OOD fine-tuning (SFT) of {path}\n\n"
+            f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
+            f"jigsaw grids {settings['jigsaw_grids_used']}, BatchNorm {f.batchnorm}; ID: '{d.val_split}' "
+            f"({config.data.root}), OOD: '{d.ood_split}'.\n\n{table}\n\n{CONVENTION}; AUROC with ID as the positive class."
+            + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
+               f"references." if config.anchor.enabled else "") + "\n")
+    atomic_write_bytes(out / "metrics.jsonl", lambda h: h.write("".join(json.dumps(r) + "\n" for r in records).encode()))
+    atomic_write_bytes(out / "summary.md", lambda h: h.write(text.encode()))
+    atomic_write_bytes(out / "summary.json", lambda h: h.write(json.dumps(summary, indent=2).encode()))
+    return summary
