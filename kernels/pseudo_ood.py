@@ -5,15 +5,17 @@ uint8 channels-last batch of the same shape on the same device; each output imag
 permutation of its input image's values (nothing is interpolated, clipped or blended):
 
 - `jigsaw_shuffle(images, grid)`: each image is cut into a grid x grid array of equal patches
-  (H/grid x W/grid pixels) that are put back in a random order, drawn independently per image.
+  (floor(H/grid) x floor(W/grid) pixels, from the top-left corner) that are put back in a random
+  order, drawn independently per image. Where grid does not divide a side, the few rows or
+  columns left over at the bottom or right (fewer than grid) stay where they are.
 - `channel_shuffle(images)`: the three colour channels of each image are put in a random order,
   drawn independently per image (the identity order included, as in the paper).
 
-Which grids an image size allows (the clipping rule): the patches must tile the image exactly,
-so a grid g is allowed iff g divides both H and W; `allowed_grids` keeps, in the order given,
-the requested grids with that property. At 480 x 480 (the paper's resolution) every grid of
-[2, 3, 5, 10, 15, 30, 60] is allowed; at 32 x 32 only 2; at 60 x 60 all of them; at 224 x 224
-only 2. A grid equal to the side cuts 1-pixel patches (a full pixel shuffle).
+Which grids an image size allows (the clipping rule): a patch must be at least one pixel, so a
+grid g is allowed iff g <= min(H, W); `allowed_grids` keeps, in the order given, the requested
+grids with that property. At 480 x 480 (the paper's resolution) and at 64 x 64 every grid of
+[2, 3, 5, 10, 15, 30, 60] is allowed; at 32 x 32 all but 60. At 480 x 480 every grid divides the
+side, so the paper's op is reproduced exactly; a grid equal to the side is a full pixel shuffle.
 
 Randomness comes from a CPU `torch.Generator` (seeded by the caller, so a run is reproducible on
 any device); only the small index tensors travel to the images' device. The ops are one gather
@@ -30,8 +32,8 @@ SFT_GRIDS = (2, 3, 5, 10, 15, 30, 60)  # the paper's patch-grid choices, drawn o
 
 
 def allowed_grids(height: int, width: int, grids: Sequence[int] = SFT_GRIDS) -> list[int]:
-    """The grids (in the order given) whose equal patches tile an H x W image: g divides H and W."""
-    return [g for g in grids if g >= 1 and height % g == 0 and width % g == 0]
+    """The grids (in the order given) that an H x W image allows: patches of at least one pixel, 1 <= g <= min(H, W)."""
+    return [g for g in grids if 1 <= g <= min(height, width)]
 
 
 def draw_grid(grids: Sequence[int], generator: torch.Generator) -> int:
@@ -55,19 +57,22 @@ def jigsaw_shuffle(images: torch.Tensor, grid: int, generator: torch.Generator) 
     """Cut each image into grid x grid equal patches and reassemble them in a random order (per image).
 
     Output patch k of image b is input patch order[b, k] of the same image (patches numbered
-    row-major). Raises ValueError when the patches would not tile the image (see `allowed_grids`).
+    row-major, floor(H/grid) x floor(W/grid) pixels from the top-left corner; the remainder rows
+    and columns stay in place). Raises ValueError for a grid the image does not allow (`allowed_grids`).
     """
     _check_images(images)
     b, c, h, w = images.shape
-    if grid < 1 or h % grid or w % grid:
-        raise ValueError(f"jigsaw grid {grid} does not tile a {h} x {w} image: expected a divisor of both sides")
+    if not allowed_grids(h, w, [grid]):
+        raise ValueError(f"jigsaw grid {grid} does not fit a {h} x {w} image: expected 1 to {min(h, w)} patches per side")
     ph, pw = h // grid, w // grid
-    # work in NHWC (a free view of a channels-last batch): [B, g, ph, g, pw, C] -> [B, g*g, ph, pw, C]
-    patches = images.permute(0, 2, 3, 1).reshape(b, grid, ph, grid, pw, c).transpose(2, 3).reshape(b, grid * grid, ph, pw, c)
+    nhwc = images.permute(0, 2, 3, 1).contiguous()  # a free view of a channels-last batch, a copy otherwise
+    out = nhwc.clone()
+    # the tiled region as [B, g, ph, g, pw, C] -> [B, g*g, ph, pw, C]
+    region = nhwc[:, :grid * ph, :grid * pw].reshape(b, grid, ph, grid, pw, c).transpose(2, 3).reshape(b, grid * grid, ph, pw, c)
     order = _per_image_orders(b, grid * grid, generator, images.device)
-    shuffled = patches[torch.arange(b, device=images.device).view(-1, 1), order]
-    nhwc = shuffled.reshape(b, grid, grid, ph, pw, c).transpose(2, 3).reshape(b, h, w, c)
-    return nhwc.permute(0, 3, 1, 2)  # NCHW shape over contiguous NHWC memory: channels-last
+    shuffled = region[torch.arange(b, device=images.device).view(-1, 1), order]
+    out[:, :grid * ph, :grid * pw] = shuffled.reshape(b, grid, grid, ph, pw, c).transpose(2, 3).reshape(b, grid * ph, grid * pw, c)
+    return out.permute(0, 3, 1, 2)  # NCHW shape over contiguous NHWC memory: channels-last
 
 
 def channel_shuffle(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -41,7 +41,8 @@ def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
 
 
 def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
-    result = run_cli("demo", "--out-dir", tmp_path / "runs", *tiny_overrides(tiny_dataset, tmp_path / "ignored"))
+    result = run_cli("demo", "--out-dir", tmp_path / "runs", *tiny_overrides(tiny_dataset, tmp_path / "ignored"),
+                     "--set", "finetune_ood.steps=2")
     demo_dir = next((tmp_path / "runs").iterdir())
     summary = (demo_dir / "summary.md").read_text()
     header = "| metric | standard | anchored |"
@@ -53,6 +54,11 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
     assert results["standard"]["anchored"] is False and results["anchored"]["anchored"] is True
     for kind in ("standard", "anchored"):
         assert (demo_dir / kind / "final.pt").exists() and (demo_dir / kind / "eval.json").exists()
+        sft = json.loads((demo_dir / kind / "finetune_ood" / "summary.json").read_text())
+        assert sft["finetune_ood"]["steps"] == 2
+        assert f"{sft['before']['id']['top1']:.2f} | {sft['after']['id']['top1']:.2f}" in summary
+    sft_header = "| metric | standard before | standard after | anchored before | anchored after |"
+    assert sft_header in summary and sft_header in result.stdout
 
 
 def test_other_options_train_in_process(tiny_dataset, tmp_path):

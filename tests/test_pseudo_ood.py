@@ -31,15 +31,13 @@ def patches_of(image, grid):
                         for i in range(grid) for j in range(grid)])
 
 
-def test_allowed_grids_keep_the_grids_whose_patches_tile_the_image():
+def test_allowed_grids_keep_the_grids_with_patches_of_at_least_one_pixel():
     assert allowed_grids(480, 480) == list(SFT_GRIDS)  # the paper's resolution: all of them
     assert allowed_grids(60, 60) == list(SFT_GRIDS)
-    assert allowed_grids(32, 32) == [2]
-    assert allowed_grids(224, 224) == [2]
-    assert allowed_grids(30, 30) == [2, 3, 5, 10, 15, 30]
-    assert allowed_grids(30, 20) == [2, 5, 10]  # must divide both sides
-    assert allowed_grids(17, 17) == []
-    assert allowed_grids(32, 32, [16, 4, 8, 3]) == [16, 4, 8]  # order kept
+    assert allowed_grids(32, 32) == [2, 3, 5, 10, 15, 30]
+    assert allowed_grids(30, 20) == [2, 3, 5, 10, 15]  # the shorter side bounds the grid
+    assert allowed_grids(1, 1) == []
+    assert allowed_grids(32, 32, [16, 4, 64, 3]) == [16, 4, 3]  # order kept
     generator = torch.Generator().manual_seed(0)
     assert {draw_grid([2, 3, 5], generator) for _ in range(60)} == {2, 3, 5}
     with pytest.raises(ValueError, match="no jigsaw grid"):
@@ -68,9 +66,25 @@ def test_jigsaw_moves_whole_patches_within_each_image(grid):
         assert all(order != tuple(range(grid * grid)) for order in orders)
 
 
-def test_jigsaw_refuses_a_grid_that_does_not_tile():
-    with pytest.raises(ValueError, match="does not tile a 32 x 32 image"):
-        jigsaw_shuffle(random_images(2, 32, 32), 3, torch.Generator())
+@pytest.mark.parametrize("grid", [3, 5, 10, 15, 30])
+def test_jigsaw_where_the_grid_does_not_divide_the_side_shuffles_the_tiled_region_and_keeps_the_rest(grid):
+    images = random_images(4, 32, 33, seed=grid)
+    out = jigsaw_shuffle(images, grid, torch.Generator().manual_seed(5))
+    ph, pw = 32 // grid, 33 // grid
+    region = (slice(None), slice(None), slice(0, grid * ph), slice(0, grid * pw))
+    assert torch.equal(out[:, :, grid * ph:], images[:, :, grid * ph:])  # bottom rows left over: in place
+    assert torch.equal(out[:, :, :, grid * pw:], images[:, :, :, grid * pw:])  # right columns left over: in place
+    for before, after in zip(images[region], out[region]):
+        same = (patches_of(after, grid)[:, None] == patches_of(before, grid)[None]).all(-1)
+        assert same.any(1).all()
+        for channel in range(3):
+            assert torch.equal(before[channel].flatten().sort().values, after[channel].flatten().sort().values)
+    assert not torch.equal(out, images)
+
+
+def test_jigsaw_refuses_a_grid_larger_than_the_image():
+    with pytest.raises(ValueError, match="does not fit a 32 x 32 image: expected 1 to 32 patches per side"):
+        jigsaw_shuffle(random_images(2, 32, 32), 60, torch.Generator())
 
 
 def test_channel_shuffle_permutes_each_images_channels():

@@ -46,9 +46,9 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.checkpoint import atomic_write_bytes, save_checkpoint
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.errors import ConfigError, DataError, TrainingError
-from fastanchor.trainer.evaluate import accuracy, collect, load_for_inference
+from fastanchor.trainer.evaluate import accuracy, collect, load_for_inference, rejection_metrics
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
-from fastanchor.trainer.metrics import auroc, energy_score, fpr_at_tpr, maxlogit_score, msp_score
+from fastanchor.trainer.metrics import energy_score, maxlogit_score, msp_score
 from fastanchor.trainer.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
 from fastanchor.trainer.train import amp_dtype, resolve_device, seed_everything
 
@@ -58,12 +58,12 @@ CONVENTION = ("ID is the positive class and a higher score means more in-distrib
 
 
 def jigsaw_grids(config: Config) -> list[int]:
-    """The configured jigsaw grids that tile data.image_size (kernels/pseudo_ood.py's rule); ConfigError if none."""
+    """The configured jigsaw grids that data.image_size allows (kernels/pseudo_ood.py's rule); ConfigError if none."""
     f, size = config.finetune_ood, config.data.image_size
     grids = allowed_grids(size, size, f.jigsaw_grids)
     if not grids:
-        raise ConfigError(f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: none divides data.image_size = {size}, "
-                          f"so no grid of equal patches tiles the image; add a divisor of {size}")
+        raise ConfigError(f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: every grid is larger than data.image_size = {size}: "
+                          f"expected at least one grid of 2 to {size} patches per side")
     return grids
 
 
@@ -102,8 +102,7 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     ood_scores = {name: fn(ood["logits"]) for name, fn in SCORES.items()}
     if anchored and k > 1:
         id_scores["anchored_std"], ood_scores["anchored_std"] = -clean_k["std"], -ood["std"]
-    per_score = {name: {"auroc": auroc(id_scores[name], ood_scores[name]), "fpr95": fpr_at_tpr(id_scores[name], ood_scores[name])}
-                 for name in id_scores}
+    per_score = {name: rejection_metrics(id_scores[name], ood_scores[name], "id") for name in id_scores}
     return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
             "id": {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"]},
             "ood": {"convention": CONVENTION, "positive": "id",

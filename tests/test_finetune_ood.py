@@ -1,0 +1,149 @@
+"""`fastanchor finetune-ood` end to end on briefly trained standard and anchored models: the files it
+writes, its numbers against an independent recomputation, the anchoring of ID and pseudo-OOD inputs,
+the report's before/after table, and bad input."""
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_main, tiny_overrides
+from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
+from fastanchor.kernels.pseudo_ood import allowed_grids
+from fastanchor.pipeline.data import eval_loader, split_index
+from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.trainer import finetune_ood as sft
+from fastanchor.trainer.evaluate import load_for_inference
+from sklearn.metrics import roc_auc_score
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    for kind, enabled in (("anchored", "true"), ("standard", "false")):
+        result = run_main("train", *tiny_overrides(tiny_dataset, out, **{"train.run_name": kind, "anchor.enabled": enabled}))
+        assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def finetuned(runs):
+    """`fastanchor finetune-ood` of both runs, STEPS steps each: kind -> its CLI result."""
+    results = {}
+    for kind in ("standard", "anchored"):
+        results[kind] = run_main("finetune-ood", "--checkpoint", runs / kind / "final.pt", "--set", f"finetune_ood.steps={STEPS}")
+        assert results[kind].returncode == 0, results[kind].stderr
+    return results
+
+
+@pytest.mark.parametrize("kind", ["standard", "anchored"])
+def test_finetune_writes_the_before_after_summary_and_an_evaluable_checkpoint(runs, finetuned, kind):
+    result = finetuned[kind]
+    out = runs / kind / "finetune_ood"
+    assert sorted(p.name for p in out.iterdir()) == ["finetuned.pt", "metrics.jsonl", "summary.json", "summary.md"]
+    summary = json.loads((out / "summary.json").read_text())
+    for when in ("before", "after"):
+        (ood_set, scores), = summary[when]["ood"]["sets"].items()
+        assert ood_set == "ood" and {"energy", "msp", "maxlogit"} <= set(scores)
+        assert ("anchored_std" in scores) == (kind == "anchored")
+        for values in scores.values():
+            assert 0.0 <= values["auroc"] <= 1.0 and 0.0 <= values["fpr95"] <= 1.0
+    assert "| ID top-1 (%) |" in result.stdout and "| FPR95, energy (%, lower is better) |" in result.stdout
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["grid"] in allowed_grids(32, 32) and np.isfinite(r["loss"]) for r in records)
+
+    # the fine-tuned checkpoint is a training checkpoint: it loads, differs from the original in
+    # every trainable tensor, and its "after" numbers recompute independently (sklearn's AUROC)
+    before, _, _ = load_for_inference(runs / kind / "final.pt", torch.device("cpu"))
+    model, config, state = load_for_inference(out / "finetuned.pt", torch.device("cpu"))
+    changed = [not torch.equal(a, b) for a, b in zip(before.parameters(), model.parameters())]
+    assert all(changed), "the descent step updates every parameter"
+    recomputed = sft.safety_metrics(model, config, state, torch.device("cpu"), label="again", progress=False)
+    assert recomputed["id"] == summary["after"]["id"]
+    if kind == "standard":  # one forward per image: energy AUROC recomputed in float64 with sklearn
+        id_energy, ood_energy = energy_scores_float64(model, config, state)
+        expected = roc_auc_score(np.r_[np.ones(len(id_energy)), np.zeros(len(ood_energy))], np.r_[id_energy, ood_energy])
+        one_pair = 1.0 / (len(id_energy) * len(ood_energy))  # float32 vs float64 may swap one near-tied pair
+        assert summary["after"]["ood"]["sets"]["ood"]["energy"]["auroc"] == pytest.approx(expected, abs=one_pair + 1e-12)
+
+
+def normalised_float64(images: torch.Tensor) -> torch.Tensor:
+    mean = torch.tensor(IMAGENET_MEAN_255, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD_255, dtype=torch.float64).view(1, 3, 1, 1)
+    return (images.double() - mean) / std
+
+
+def energy_scores_float64(model, config, state):
+    """Energy scores (logsumexp of the logits) of the ID and OOD splits, the model run in float64."""
+    d = config.data
+    model = copy.deepcopy(model).double().eval()
+    scores = []
+    for index in (split_index(d, d.val_split, tuple(state["classes"])), scan_image_folder(Path(d.root) / d.ood_split)):
+        with torch.no_grad():
+            values = [torch.logsumexp(model(normalised_float64(images)), dim=1)
+                      for images, _ in eval_loader(d, index, torch.device("cpu"))]
+        scores.append(torch.cat(values).numpy())
+    return scores
+
+
+def test_id_and_pseudo_ood_inputs_both_go_through_the_anchoring_stage(runs, tiny_dataset, tmp_path):
+    """Every forward of an anchored fine-tuning sees [r, x - r] with r one of the checkpoint's inference
+    references, for the ID and the pseudo-OOD batch alike, and no input is masked."""
+    model, config, state = load_for_inference(runs / "anchored" / "final.pt", torch.device("cpu"),
+                                              ["finetune_ood.steps=2"])
+    references = state["reference_images"]
+    first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    seen = []
+    first_conv.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    sft.finetune(model, config, state, torch.device("cpu"), progress=False)
+    assert len(seen) == 2 * 2 * 2  # 2 steps x 2 SAM passes x (ID, pseudo-OOD)
+    normalised_references = normalised_float64(references).float().flatten(1)
+    for inputs in seen:
+        assert inputs.shape[1] == 6
+        reference_part = inputs[:, :3].flatten(1)
+        distance = torch.cdist(reference_part, normalised_references)
+        assert (distance.min(1).values < 1e-3).all(), "the first three channels are not a reference"
+        assert reference_part.abs().sum(1).gt(0).all(), "no input may be masked while fine-tuning"
+
+
+def test_report_shows_the_before_after_table(runs, finetuned, tmp_path):
+    report = run_main("report", runs / "standard", "--out", tmp_path / "report")
+    assert report.returncode == 0, report.stderr
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "SFT (sharpness-aware OOD fine-tuning) of standard: before → after" in text
+    summary = json.loads((runs / "standard" / "finetune_ood" / "summary.json").read_text())
+    assert f"{summary['before']['id']['top1']:.2f}" in text and f"{summary['after']['id']['top1']:.2f}" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "{tmp}/missing.pt"], "missing.pt"),
+    (["--set", "finetune_ood.rho=0"], "finetune_ood.rho = 0.0: expected > 0"),
+    (["--set", "finetune_ood.optimizer=adam"], "finetune_ood.optimizer"),
+    (["--set", "finetune_ood.jigsaw_grids=[60]"], "every grid is larger than data.image_size = 32"),
+    (["--set", "data.ood_split=nowhere"], "OOD split"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--checkpoint" not in args:
+        args = ["--checkpoint", str(runs / "anchored" / "final.pt"), *args]
+    out = tmp_path / "out"
+    result = run_main("finetune-ood", *args, "--out", out)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message.format(tmp=tmp_path) in lines[0], result.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_an_existing_summary_is_not_overwritten(runs, tmp_path):
+    out = tmp_path / "kept"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    result = run_main("finetune-ood", "--checkpoint", runs / "standard" / "final.pt", "--out", out)
+    assert result.returncode == 2 and "already exists" in result.stderr
+    assert (out / "summary.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["summary.json"]
