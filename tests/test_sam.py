@@ -83,13 +83,16 @@ def weights_at_each_forward(model):
     return snapshots
 
 
-def run_one_step(batches, optimizer_kind, lr=0.0, momentum=0.0, weight_decay=0.0, batchnorm="id_batches"):
+def run_one_step(batches, optimizer_kind, lr=0.0, momentum=0.0, weight_decay=0.0, batchnorm="id_batches", at_descent=None):
+    """One SAM step of a fresh model; `at_descent` (a list) receives the weights the descent step starts from."""
     model = fresh_model()
     set_finetune_mode(model, batchnorm)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     snapshots = weights_at_each_forward(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if at_descent is not None:
+        optimizer.register_step_pre_hook(lambda *_: at_descent.append({n: p.detach().clone() for n, p in model.named_parameters()}))
     perturbed = perturbed_parameters(model, optimizer_kind)
     sam_step(model, optimizer, sft_loss(model, *batches, 1.0), perturbed, RHO)
     return model, start, buffers, snapshots, names(model, perturbed)
@@ -153,7 +156,11 @@ def test_plain_sam_perturbs_everything_and_sgd_nothing(batches):
 
 def test_descent_updates_every_parameter_and_running_stats_move_once_with_the_id_batch_at_w(batches):
     id_batch, _ = batches
-    model, start, buffers, *_ = run_one_step(batches, "sam_norm", lr=1e-3, momentum=0.9, weight_decay=1e-5)
+    at_descent = []
+    model, start, buffers, snapshots, _ = run_one_step(batches, "sam_norm", lr=1e-3, momentum=0.9, weight_decay=1e-5,
+                                                       at_descent=at_descent)
+    assert len(at_descent) == 1 and any(not torch.equal(snapshots[2][n], start[n]) for n in start)  # it did ascend
+    assert all(torch.equal(at_descent[0][n], start[n]) for n in start), "the descent must start from the pre-ascent weights"
     assert [n for n, p in model.named_parameters() if torch.equal(p, start[n])] == []
     # reference: one training-mode forward of the ID batch alone, at the same starting weights
     reference = fresh_model().train()
