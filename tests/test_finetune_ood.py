@@ -35,7 +35,8 @@ def finetuned(runs):
     """`fastanchor finetune-ood` of both runs, STEPS steps each: kind -> its CLI result."""
     results = {}
     for kind in ("standard", "anchored"):
-        results[kind] = run_main("finetune-ood", "--checkpoint", runs / kind / "final.pt", "--set", f"finetune_ood.steps={STEPS}")
+        results[kind] = run_main("finetune-ood", "--checkpoint", runs / kind / "final.pt", "--set", f"finetune_ood.steps={STEPS}",
+                                 "--set", "finetune_ood.lr=0.001")  # the paper's lr (the demo recipe lowers it)
         assert results[kind].returncode == 0, results[kind].stderr
     return results
 
@@ -147,3 +148,12 @@ def test_an_existing_summary_is_not_overwritten(runs, tmp_path):
     result = run_main("finetune-ood", "--checkpoint", runs / "standard" / "final.pt", "--out", out)
     assert result.returncode == 2 and "already exists" in result.stderr
     assert (out / "summary.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+
+def test_the_committed_sft_sweep_table_is_generated_from_its_result_files():
+    from fastanchor.benchmarks.sft_demo_table import HEADER, sweep_rows
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sft_demo"
+    rows = sweep_rows(folder)
+    assert len(rows) == 2 + len(list(folder.glob("*/*/summary.json"))) > 2
+    assert (folder / "README.md").read_text() == HEADER + "\n".join(rows) + "\n"
