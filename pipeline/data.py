@@ -86,13 +86,12 @@ def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = Tru
 
 # What each loader can do per image besides its crop and flip (checked once, at start-up).
 _LOADER_POLICIES = {
-    "torchvision": ("none", "autoaugment", "randaugment", "trivialaugment_wide", "augmix"),
+    "torchvision": ("none", "autoaugment", "randaugment", "trivialaugment_wide"),
     "ffcv": ("none",),
     "dali": ("none", "autoaugment", "randaugment", "trivialaugment_wide"),
 }
 _LOADER_POLICY_NOTES = {
     "ffcv": "FFCV's pipeline only crops and flips; use data.loader=torchvision or dali",
-    "dali": "nvidia.dali.auto_aug has no AugMix; use data.loader=torchvision",
 }
 
 

@@ -32,7 +32,6 @@ AUTO_AUGMENT_POLICIES = {
     "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
     "randaugment": v2.RandAugment,
     "trivialaugment_wide": v2.TrivialAugmentWide,
-    "augmix": v2.AugMix,
 }
 
 

@@ -153,7 +153,7 @@ def test_blurpool_for_timm_resnets_and_refused_elsewhere():
 
 @pytest.mark.parametrize("loader, policy, message", [
     ("ffcv", "randaugment", "augment.auto_augment = 'randaugment' is not supported by data.loader = 'ffcv': FFCV's pipeline only crops and flips"),
-    ("ffcv", "augmix", "data.loader = 'ffcv'"),
+    ("torchvision", "augmix", "augment.auto_augment = 'augmix'"),  # AugMix is augment.augmix, on every loader
 ])
 def test_loaders_refuse_policies_they_cannot_do(loader, policy, message):
     with pytest.raises(ConfigError) as error:
@@ -161,7 +161,7 @@ def test_loaders_refuse_policies_they_cannot_do(loader, policy, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("policy", ["autoaugment", "randaugment", "trivialaugment_wide", "augmix"])
+@pytest.mark.parametrize("policy", ["autoaugment", "randaugment", "trivialaugment_wide"])
 def test_torchvision_policies_run_per_image(policy):
     from fastanchor.pipeline.torchvision_loader import train_transform
 
@@ -261,7 +261,7 @@ def test_resuming_mid_epoch_replays_the_same_mixes_and_erasures(tiny_dataset, tm
     settings = {"data.batch_size": 8, "data.workers": 0, "train.epochs": 2, "train.threads": 1,
                 "train.deterministic": "true", "train.checkpoint_interval": 1, "optim.name": "sgd",
                 "anchor.alpha": 0.5, "anchor.mask_level": "sample", "augment.mixup_alpha": 0.4,
-                "augment.cutmix_alpha": 1.0, "augment.random_erasing": 0.5, "train.run_name": "whole"}
+                "augment.cutmix_alpha": 1.0, "augment.random_erasing": 0.5, "augment.augmix": "true", "train.run_name": "whole"}
     whole = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **settings))
     assert whole.returncode == 0, whole.stderr
     shutil.copytree(tmp_path / "whole", tmp_path / "again", symlinks=True)

@@ -63,7 +63,9 @@ class DataConfig:
 
 @dataclass
 class AugmentConfig:
-    auto_augment: str = _opt("none", "per-image augmentation policy after the crop and flip (torchvision's --auto-augment): autoaugment (ImageNet policy), randaugment, trivialaugment_wide, augmix; torchvision loader: torchvision transforms per image, DALI: nvidia.dali.auto_aug on the device (no augmix), FFCV: refused", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide", "augmix"))
+    auto_augment: str = _opt("none", "per-image augmentation policy after the crop and flip (torchvision's --auto-augment): autoaugment (ImageNet policy), randaugment, trivialaugment_wide; torchvision loader: torchvision transforms per image, DALI: nvidia.dali.auto_aug on the device, FFCV: refused", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
+    augmix: bool = _opt(False, "AugMix (torchvision's v2.AugMix operations and mixing) per image on the device batch, after the loader's policy and before random erasing, for every loader")
+    augmix_severity: int = _opt(3, "AugMix severity of its operations (1 to 10)")
     random_erasing: float = _opt(0.0, "probability of erasing one random rectangle per training image (torchvision's RandomErasing: area 2-33%, aspect 0.3-3.3, filled with the mean colour), on the device batch before anchoring, for every loader")
     mixup_alpha: float = _opt(0.0, "Mixup: mixing weight drawn from Beta(alpha, alpha) per batch (0 disables); applied on the device to the network input, masked samples keep their uniform target")
     cutmix_alpha: float = _opt(0.0, "CutMix: box area fraction drawn from Beta(alpha, alpha) per batch (0 disables); the weight is corrected to the box actually pasted")
@@ -452,6 +454,7 @@ def validate(config: Config) -> None:
     _check(f.ood_weight >= 0, f"finetune_ood.ood_weight = {f.ood_weight}: expected >= 0")
     _check(len(f.jigsaw_grids) > 0 and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 for g in f.jigsaw_grids),
            f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: expected a non-empty list of integers >= 2")
+    _check(1 <= config.augment.augmix_severity <= 10, f"augment.augmix_severity = {config.augment.augmix_severity}: expected 1 to 10")
     emb = config.embedded
     _check(32 <= emb.image_size <= 256, f"embedded.image_size = {emb.image_size}: expected 32 to 256 pixels")
     from fastanchor.trainer.models import check_model_name  # imported late: timm is slow to import

@@ -34,6 +34,7 @@ from fastanchor.pipeline.data import (
     split_index,
     train_loader,
 )
+from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
 from fastanchor.pipeline.erasing import RandomErasing
 from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.progressive import training_resolution
@@ -217,9 +218,19 @@ def restore_training_state(state: dict, rank: int, *, model, ema, optimizer, sch
     if "mixer" in mine:  # checkpoints written before Mixup/CutMix and random erasing existed have neither
         mixer.load_state_dict(mine["mixer"])
         if stage.augment is not None:
-            stage.augment.load_state_dict(mine["erasing"])
+            stage.augment.load_state_dict(mine["augment"] if "augment" in mine else {"random_erasing": mine["erasing"]})
     stage.references.load_state_dict(mine["references"], device)
     losses.load_state_dict(mine["loss_window"])
+
+
+def device_augmentations(g, seed: int) -> AugmentChain | None:
+    """The augment.* steps done on the device batch before pairing, in order: AugMix, random erasing."""
+    steps = {}
+    if g.augmix:
+        steps["augmix"] = DeviceAugMix(seed=seed + 1, severity=g.augmix_severity)
+    if g.random_erasing > 0:
+        steps["random_erasing"] = RandomErasing(g.random_erasing, seed=seed)
+    return AugmentChain(steps) if steps else None
 
 
 def train(config: Config, resume: str | None = None) -> Path:
@@ -304,7 +315,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
         device=device, dtype=input_dtype, seed=t.seed,  # the same seed on every rank: batch-level masks agree
-        augment=RandomErasing(g.random_erasing, seed=augment_seed) if g.random_erasing > 0 else None)
+        augment=device_augmentations(g, augment_seed))
     mixer = BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed)
     losses = LossWindow(device)
 
@@ -363,7 +374,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         ranks = gather_to_main(processes, {
             "rng": capture_rng(device), "anchoring_generator": stage.generator.get_state(),
             "references": stage.references.state_dict(), "loss_window": losses.state_dict(),
-            "mixer": mixer.state_dict(), "erasing": stage.augment.state_dict() if stage.augment is not None else None})
+            "mixer": mixer.state_dict(), "augment": stage.augment.state_dict() if stage.augment is not None else None})
         end_of_epoch = position == steps_per_epoch
         path = checkpoints / checkpoint_name(epoch + 1, step, end_of_epoch)
         if processes.main:
