@@ -60,8 +60,15 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
     return scan_image_folder(root, classes)
 
 
+def beton_folder(data: DataConfig) -> Path:
+    """<data.root>/ffcv/<write settings>: recipes that write .betons differently (FFCV's ResNet-50 and
+    ResNet-18 configs store other resolutions) never share or overwrite each other's files."""
+    resolution = f"max{data.ffcv_max_resolution}" if data.ffcv_max_resolution else "full"
+    return Path(data.root) / "ffcv" / f"{resolution}_q{data.ffcv_jpeg_quality}_jpeg{round(100 * data.ffcv_compress_probability)}"
+
+
 def split_beton_path(data: DataConfig, split_root: Path) -> Path:
-    return Path(data.root) / "ffcv" / f"{split_root.name}.beton"
+    return beton_folder(data) / f"{split_root.name}.beton"
 
 
 def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
@@ -104,13 +111,13 @@ def check_loader_supports(config: Config) -> None:
 
 
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
-                 rank: int = 0, world_size: int = 1, policy: str = "none"):
+                 rank: int = 0, world_size: int = 1, policy: str = "none", progress: bool = True):
     """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
-    `policy` is augment.auto_augment (see check_loader_supports)."""
+    `policy` is augment.auto_augment (see check_loader_supports); `progress`: the .beton writer's bar, if it writes."""
     if data.loader == "ffcv":
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
-        return FFCVLoader(ensure_beton(data, index), batch_size=data.batch_size, train=True, image_size=data.image_size,
+        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.batch_size, train=True, image_size=data.image_size,
                           min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
                           order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
@@ -130,7 +137,7 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
 
 
 def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
-                *, rank: int = 0, world_size: int = 1):
+                *, rank: int = 0, world_size: int = 1, progress: bool = True):
     """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path).
 
     With `world_size` > 1 the torchvision loader reads every image exactly once over all processes
@@ -138,7 +145,7 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
     if data.loader == "ffcv" and corruption is None:
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
-        return FFCVLoader(ensure_beton(data, index), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
                           crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
                           os_cache=data.ffcv_os_cache)
     if data.loader == "dali" and corruption is None:

@@ -47,7 +47,7 @@ def test_prepare_reports_every_skipped_file_and_converts_the_rest(tiny_dataset, 
         assert f"skipped {path}" in result.stdout
     assert "empty class folder" in result.stdout and "zz_empty_class" in result.stdout
 
-    report = json.loads((data / "ffcv" / "train.report.json").read_text())
+    report = json.loads((data / "ffcv" / "full_q90_jpeg100" / "train.report.json").read_text())
     assert {item["path"] for item in report["skipped"]} == {str(p) for p in skipped}
     assert {item["path"] for item in report["converted"]} == {str(p) for p in convertible}
     notes = {item["path"]: item["note"] for item in report["converted"]}
@@ -56,7 +56,7 @@ def test_prepare_reports_every_skipped_file_and_converts_the_rest(tiny_dataset, 
     assert report["empty_classes"] == ["zz_empty_class"]
     assert report["kept"] == good_before + len(convertible)
 
-    info = inspect_beton(data / "ffcv" / "train.beton")  # verified count and labels after writing
+    info = inspect_beton(data / "ffcv" / "full_q90_jpeg100" / "train.beton")  # verified count and labels after writing
     assert info.num_samples == report["kept"]
     assert sum(info.label_histogram().values()) == report["kept"]
     assert list(report["images_per_class"].values()) == [info.label_histogram()[i] for i in range(len(report["classes"]))]

@@ -104,3 +104,33 @@ def test_ffcv_order_and_os_cache_options_reach_the_loader(tree):
     assert loader.order == "random"
     assert type(loader.loader.memory_manager).__name__ == "ProcessCacheManager"  # FFCV's own cache, not the OS's
     assert (DataConfig().ffcv_order, DataConfig().ffcv_os_cache) == ("quasi_random", True)
+
+
+def test_recipes_that_write_betons_differently_never_share_a_file(tree):
+    """FFCV's ResNet-50 and ResNet-18 configs store other resolutions and JPEG shares: each gets its own file."""
+    from fastanchor.pipeline.ffcv_loader import inspect_beton
+
+    scanned = scan_image_folder(tree / "val")
+    rn50 = DataConfig(root=str(tree), loader="ffcv", ffcv_write_workers=1, ffcv_max_resolution=20, ffcv_compress_probability=0.5)
+    rn18 = DataConfig(root=str(tree), loader="ffcv", ffcv_write_workers=1, ffcv_max_resolution=16, ffcv_compress_probability=0.1)
+    first, second = ensure_beton(rn50, scanned, progress=False), ensure_beton(rn18, scanned, progress=False)
+    assert first == tree / "ffcv" / "max20_q90_jpeg50" / "val.beton"
+    assert second == tree / "ffcv" / "max16_q90_jpeg10" / "val.beton"
+    for path, side in ((first, 20), (second, 16)):
+        info = inspect_beton(path)
+        assert max(info.max_width, info.max_height) == side  # the 32 px images stored at each recipe's size
+    written = first.stat().st_mtime_ns
+    same_settings = DataConfig(root=str(tree), loader="ffcv", ffcv_write_workers=1, ffcv_max_resolution=20,
+                               ffcv_compress_probability=0.5, batch_size=4)  # a loader option, not a write setting
+    assert ensure_beton(same_settings, scanned, progress=False) == first and first.stat().st_mtime_ns == written
+
+
+def test_the_beton_writer_is_silent_with_train_progress_false(tiny_dataset, tmp_path):
+    from conftest import run_main, tiny_overrides
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    result = run_main("train", *tiny_overrides(data, tmp_path, **{"data.loader": "ffcv", "train.max_steps": 1}))
+    assert result.returncode == 0, result.stderr
+    assert list((data / "ffcv").glob("*/train.beton")), "the test must make training write the .beton"
+    assert "images/s" not in result.stderr and "%|" not in result.stderr, result.stderr[-500:]

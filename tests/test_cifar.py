@@ -108,16 +108,17 @@ def test_prepare_ffcv_from_cifar10_raw_holds_the_exact_pixels(tmp_path):
     assert sorted(p.name for p in (root / "train").iterdir()) == CIFAR10_NAMES
 
     for split, images, labels in (("train", train_images, train_labels), ("val", test_images, test_labels)):
-        decoded, decoded_labels = decode_eval(root / "ffcv" / f"{split}.beton")
+        decoded, decoded_labels = decode_eval(root / "ffcv" / "full_q90_jpeg0" / f"{split}.beton")  # raw pixels: jpeg 0%
         expected, expected_labels = in_tree_order(images, labels)
         assert torch.equal(decoded_labels, expected_labels)
         assert torch.equal(decoded, expected)  # raw storage of lossless PNGs: bit-identical to the pickle
 
     # A second prepare finds the tree and the betons current and rewrites nothing.
-    stamps = {p: p.stat().st_mtime_ns for p in (root / "ffcv").glob("*.beton")}
+    stamps = {p: p.stat().st_mtime_ns for p in (root / "ffcv").glob("*/*.beton")}
+    assert len(stamps) == 2  # train and val
     assert run_main("prepare", "--format", "ffcv", *cifar_overrides(
         tmp_path / "cifar-10-batches-py", root, **{"data.ffcv_compress_probability": 0.0})).returncode == 0
-    assert {p: p.stat().st_mtime_ns for p in (root / "ffcv").glob("*.beton")} == stamps
+    assert {p: p.stat().st_mtime_ns for p in (root / "ffcv").glob("*/*.beton")} == stamps
 
 
 def test_prepare_ffcv_from_cifar100_jpeg_within_tolerance(tmp_path):
@@ -128,7 +129,8 @@ def test_prepare_ffcv_from_cifar100_jpeg_within_tolerance(tmp_path):
     assert result.returncode == 0, result.stderr
     # Label i keeps class i although the names are not alphabetical.
     assert sorted(p.name for p in (root / "train").iterdir()) == ["0_maple_tree", "1_apple", "2_tulip", "3_bear"]
-    decoded, labels = decode_eval(root / "ffcv" / "train.beton")
+    beton, = (root / "ffcv").glob("*/train.beton")
+    decoded, labels = decode_eval(beton)
     expected, expected_labels = in_tree_order(train_images, train_labels)
     assert torch.equal(labels, expected_labels)
     error = (decoded.float() - expected.float()).abs().mean(dim=(1, 2, 3))
@@ -213,4 +215,13 @@ def test_train_on_cifar_with_ffcv_and_progressive_resizing(tmp_path):
     assert [r["resolution"] for r in epochs] == [16, 32]
     assert [r["train_input_shape"] for r in epochs] == [[6, 16, 16], [6, 32, 32]]
     assert all(np.isfinite(r["train_loss"]) for r in epochs)
-    assert (tmp_path / "cifar10" / "ffcv" / "train.manifest.json").is_file()
+    assert len(list((tmp_path / "cifar10" / "ffcv").glob("*/train.manifest.json"))) == 1
+
+    # the pickles moved after decoding: a resume names the new place, which is not a change of run
+    moved = source.rename(tmp_path / "moved-cifar")
+    resumed = run_main("train", "--resume", tmp_path / "runs" / "cifar" / "checkpoints" / "epoch_001.pt",
+                       "--set", f"data.cifar_dir={moved}", "--set", "train.progress=false")
+    assert resumed.returncode == 0, resumed.stderr
+    refused = run_main("train", "--resume", tmp_path / "runs" / "cifar" / "checkpoints" / "epoch_001.pt",
+                       "--set", "data.batch_size=5")
+    assert refused.returncode == 2 and "data.batch_size = 5 differs" in refused.stderr

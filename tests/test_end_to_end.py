@@ -101,8 +101,9 @@ def test_ffcv_loader_by_one_config_key(tiny_dataset, tmp_path):
     shutil.copytree(tiny_dataset, data)
     prepared = run_main("prepare", "--format", "ffcv", *tiny_overrides(data, tmp_path))
     assert prepared.returncode == 0, prepared.stderr
-    assert sorted(p.name for p in (data / "ffcv").glob("*.beton")) == ["ood.beton", "train.beton", "val.beton"]
-    assert sorted(p.name for p in (data / "ffcv").glob("*.report.json")) == ["ood.report.json", "train.report.json", "val.report.json"]
+    betons = data / "ffcv" / "full_q90_jpeg100"  # the demo recipe's .beton options: full resolution, quality 90, all JPEG
+    assert sorted(p.name for p in betons.glob("*.beton")) == ["ood.beton", "train.beton", "val.beton"]
+    assert sorted(p.name for p in betons.glob("*.report.json")) == ["ood.report.json", "train.report.json", "val.report.json"]
     result = run_main("train", *tiny_overrides(data, tmp_path, **{"data.loader": "ffcv", "train.run_name": "ffcv"}))
     assert result.returncode == 0, result.stderr
     records = read_jsonl(tmp_path / "ffcv" / "metrics.jsonl")

@@ -41,13 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make data.root an ImageFolder tree: the embedded dataset (data.dataset=embedded), the CIFAR-10/100 "
                     "python-pickle directory data.cifar_dir decoded to PNGs (data.dataset=cifar), or your own tree "
                     "(data.dataset=folder). With --format ffcv, every split is audited and written to "
-                    "<data.root>/ffcv/<split>.beton (verified, atomic) with its report and manifest. The .beton options: "
+                    "<data.root>/ffcv/<write settings>/<split>.beton (verified, atomic) with its report and manifest; the folder is named by "
+                    "the .beton options, e.g. ffcv/max512_q90_jpeg100, so recipes that write differently never share a file. The .beton options: "
                     "data.ffcv_max_resolution, data.ffcv_jpeg_quality, data.ffcv_compress_probability (0: raw pixels), "
                     "data.ffcv_write_workers (writer processes); train.progress shows progress bars with images/s.",
         epilog=options, formatter_class=formatter)
     _add_config_arguments(prepare)
     prepare.add_argument("--format", choices=("imagefolder", "ffcv"), default="imagefolder",
-                         help="imagefolder: the ImageFolder tree only; ffcv: also <root>/ffcv/<split>.beton for every split")
+                         help="imagefolder: the ImageFolder tree only; ffcv: also <root>/ffcv/<write settings>/<split>.beton for every split")
 
     train = commands.add_parser("train", help="train a standard or anchored model", epilog=options, formatter_class=formatter)
     _add_config_arguments(train)

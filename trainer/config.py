@@ -38,7 +38,7 @@ class DataConfig:
     train_split: str = _opt("train", "training split folder under data.root")
     val_split: str = _opt("val", "validation split folder under data.root")
     ood_split: str = _opt("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
-    loader: str = _opt("torchvision", "data loader: torchvision DataLoader over the ImageFolder, FFCV over .beton files written from it (<root>/ffcv/<split>.beton, written on first use or by `prepare --format ffcv`), or NVIDIA DALI reading the ImageFolder (decoding on the CPU, or on the GPU with nvJPEG when training on CUDA)", choices=("torchvision", "ffcv", "dali"))
+    loader: str = _opt("torchvision", "data loader: torchvision DataLoader over the ImageFolder, FFCV over .beton files written from it (<root>/ffcv/<write settings>/<split>.beton, e.g. ffcv/max512_q90_jpeg100/train.beton, written on first use or by `prepare --format ffcv`), or NVIDIA DALI reading the ImageFolder (decoding on the CPU, or on the GPU with nvJPEG when training on CUDA)", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = _opt(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = _opt(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = _opt(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")

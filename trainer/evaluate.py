@@ -249,7 +249,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         dataset = subset(DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio)), e.max_images, e.seed)
         id_loader = lambda: loader_for(dataset, d, device)  # noqa: E731
     else:
-        id_loader = lambda: eval_loader(d, val_index, device)  # noqa: E731
+        id_loader = lambda: eval_loader(d, val_index, device, progress=progress and config.train.progress)  # noqa: E731
 
     ev = Evaluator(model, config, state, device, progress and config.train.progress)
     anchored, k = ev.anchored, ev.k

@@ -91,7 +91,7 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     ood_index = scan_image_folder(Path(d.root) / d.ood_split)
 
     def run(index, desc, references_per_image=1):
-        return collect(model, eval_loader(d, index, device), anchored=anchored, references=references,
+        return collect(model, eval_loader(d, index, device, progress=progress), anchored=anchored, references=references,
                        num_references=references_per_image, seed=e.seed, desc=f"{label}: {desc}", progress=progress)
 
     model.eval()
@@ -186,7 +186,7 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
     f, d = config.finetune_ood, config.data
     grids = jigsaw_grids(config)
     train_index = split_index(d, d.train_split, tuple(state["classes"]))
-    loader = train_loader(d, train_index, device, f.seed)
+    loader = train_loader(d, train_index, device, f.seed, progress=progress)
     if len(loader) == 0:
         raise ConfigError(f"data.batch_size = {d.batch_size} is larger than the {len(train_index)} training images "
                           f"with drop_last: expected a smaller batch")

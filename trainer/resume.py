@@ -23,7 +23,8 @@ from fastanchor.trainer.errors import CheckpointError, ConfigError
 
 CHANGEABLE = (
     "train.progress", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",
-    "train.keep_checkpoints", "train.out_dir", "train.run_name", "data.root", "data.workers", "data.eval_batch_size",
+    "train.keep_checkpoints", "train.out_dir", "train.run_name", "data.root", "data.cifar_dir", "data.workers",
+    "data.eval_batch_size",
 )
 
 
