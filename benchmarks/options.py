@@ -171,10 +171,18 @@ class StepOptions(SyntheticOptions):
     models: str = option("", f"comma-separated <model>@<size> (default: {CPU_STEP_MODELS} on CPU; {GPU_STEP_MODELS} on CUDA)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
+    recipe: str = option("", "a recipe under configs/ (e.g. imagenet/rn50_16_epochs) instead of --models: its model at its "
+                             "first-epoch training resolution, with its amp and channels-last (--batch-size still applies; "
+                             "0: the recipe's batch); the result names every recipe training that model at that resolution, "
+                             "and `fastanchor recipes` shows it in the throughput column")
 
     def checks(self):
         for text in names_list(self.models):
             parse_model_at(text)
+        if self.recipe:
+            from fastanchor.trainer.config import load_config
+
+            load_config(self.recipe)  # one line naming an unknown recipe
         return super().checks() + [
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2 (a derangement needs 2)"),
             ("steps", self.steps >= 0, "0 (by device) or a positive count"),

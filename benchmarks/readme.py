@@ -94,6 +94,7 @@ def assess(target: Target, results: list[tuple[Path, dict]]) -> tuple[str, str, 
     if not candidates:
         return "", "not yet measured", None
     fitting = [(p, r) for p, r in candidates if all(_config_value(r, k) == v for k, v in target.requires.items())]
+    fitting = [(p, r) for p, r in fitting if any(re.fullmatch(target.derived, d["name"]) for d in r["derived"])] or fitting
     if not fitting:
         return "", "not yet measured in this configuration", None
     path, result = max(fitting, key=lambda item: item[1]["created"])
@@ -125,6 +126,8 @@ def render_block(results: list[tuple[Path, dict]], readme_dir: Path) -> str:
         lines += ["", "CPU figures are not yet measured: no result file from a CPU run exists under "
                       "`benchmarks/results/` (`benchmarks/run_cpu.sh` writes them)."]
     for path, result in results:
+        if result["config"].get("recipe"):
+            continue  # per-recipe step results appear in the Recipes table (`fastanchor recipes`)
         env = result["environment"]
         lines += ["", f"#### {result['benchmark']} on {env['device_name']} ({path.name})", "", *describe_run(result), "",
                   *tables(result)]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The full CPU benchmark set, for a quiet machine (about 15 minutes on 2 cores). Writes
-# benchmarks/results/{loader,op,step,e2e}-cpu.{json,md,png} and regenerates README's performance block.
+# The full CPU benchmark set, for a quiet machine (about 25 minutes on 2 cores). Writes
+# benchmarks/results/{loader,op,step,e2e}-cpu.{json,md,png}, one step-cpu-<recipe> result per
+# recipe model, and regenerates README's performance block and Recipes table.
 #
 #   benchmarks/run_cpu.sh            # everything
-#   benchmarks/run_cpu.sh loader     # one stage: data | loader | op | step | e2e | readme
+#   benchmarks/run_cpu.sh loader     # one stage: data | loader | op | step | recipes | e2e | readme
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), DATA (ImageNet-shaped dataset root,
 # default data/imagenet_shaped), IMAGES (images per loader epoch, default 2048), RESULTS
@@ -30,7 +31,15 @@ if [[ $stage == all || $stage == op ]]; then
     bench op "${common[@]}" --batch-size 64 --image-size 112 --step-model fastanchor_resnet_tiny
 fi
 if [[ $stage == all || $stage == step ]]; then
-    bench step "${common[@]}" --models fastanchor_resnet_tiny@64,resnet18@64 --batch-size 64
+    # 20 steps a repetition: a round takes seconds, so a shared machine's drift hits both sides of it alike
+    bench step "${common[@]}" --models fastanchor_resnet_tiny@64,resnet18@64 --batch-size 64 --steps 20
+fi
+if [[ $stage == all || $stage == recipes ]]; then
+    # one recipe per model and resolution (the result names every recipe it stands for), at batch 8 on a CPU
+    for recipe in imagenet/rn50_16_epochs imagenet/rn18_16_epochs imagenet/vit_b16 imagenet/swinv2_t \
+                  cifar/cifar10_resnet18 cifar/cifar10_wrn40_2; do
+        bench step --device cpu --repetitions 3 --out "$RESULTS" --recipe "$recipe" --batch-size 8 --steps 2
+    done
 fi
 if [[ $stage == all || $stage == e2e ]]; then
     bench e2e "${common[@]}" --data "$DATA/train" --images "$IMAGES" --loader ffcv \
@@ -38,4 +47,5 @@ if [[ $stage == all || $stage == e2e ]]; then
 fi
 if [[ $stage == all || $stage == readme ]]; then
     bench readme --results "$RESULTS" --readme README.md
+    "$PYTHON" -m fastanchor recipes --readme README.md
 fi

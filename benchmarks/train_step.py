@@ -104,12 +104,35 @@ class StepPlan:
     models: list[tuple[str, int]]
     batch_size: int
     steps: int
+    recipes: list[str]  # the recipes whose model and training resolution are measured (with --recipe)
+
+
+def model_at_resolution(config: Config) -> tuple[str, int]:
+    """A recipe's model and its first-epoch training resolution (progressive resizing starts there)."""
+    from fastanchor.pipeline.progressive import training_resolution
+
+    return config.model.name, training_resolution(config.data, 0)
+
+
+def recipes_training(model_at: tuple[str, int]) -> list[str]:
+    """Every shipped recipe that trains this model at this first-epoch resolution."""
+    from fastanchor.trainer.config import load_config, recipe_names
+
+    return [name for name in recipe_names() if model_at_resolution(load_config(name)) == model_at]
 
 
 def plan(options: StepOptions, device: torch.device) -> StepPlan:
     cuda = device.type == "cuda"
+    steps = by_device(options.steps, 5, 20, cuda)
+    if options.recipe:
+        from fastanchor.trainer.config import load_config
+
+        config = load_config(options.recipe)
+        options.amp, options.channels_last = config.train.amp, config.train.channels_last
+        model_at = model_at_resolution(config)
+        return StepPlan([model_at], options.batch_size or config.data.batch_size, steps, recipes_training(model_at))
     models = [parse_model_at(text) for text in names_list(by_device(options.models, CPU_STEP_MODELS, GPU_STEP_MODELS, cuda))]
-    return StepPlan(models, by_device(options.batch_size, 64, 256, cuda), by_device(options.steps, 5, 20, cuda))
+    return StepPlan(models, by_device(options.batch_size, 64, 256, cuda), steps, [])
 
 
 def model_cases(options: StepOptions, device: torch.device, name: str, size: int, batch_size: int, steps: int):
@@ -149,6 +172,11 @@ def run_step_benchmark(options: StepOptions, command: str):
     notes = [f"synthetic uint8 batches on the device, batch {chosen.batch_size}, {chosen.steps} steps per repetition; "
              f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; in-batch derangement "
              f"references; SGD as the trainer's default recipe"]
+    if options.recipe:
+        options.tag = options.tag or options.recipe.replace("/", "_")
+        notes.append(f"recipe {options.recipe}: its model at its first-epoch training resolution; the figures stand for "
+                     f"{', '.join(chosen.recipes)}")
     return run_and_write("step", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                         config_extra={"resolved": {"models": [f"{n}@{s}" for n, s in chosen.models],
+                         config_extra={"recipes": chosen.recipes,
+                                       "resolved": {"models": [f"{n}@{s}" for n, s in chosen.models],
                                                     "batch_size": chosen.batch_size, "steps": chosen.steps}})

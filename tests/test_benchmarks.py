@@ -182,6 +182,25 @@ def test_step_benchmark(results):
     assert ratio["value"] == pytest.approx(found[f"{label} anchored"]["median"] / found[f"{label} standard"]["median"])
 
 
+def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
+    from fastanchor.trainer.recipes import measured_throughput, recipes_markdown
+
+    result = bench("step", *COMMON, "--recipe", "cifar/cifar10_wrn40_2_anchored", "--batch-size", 2, "--steps", 1,
+                   "--out", tmp_path)
+    wrn = ["cifar/cifar100_wrn40_2", "cifar/cifar100_wrn40_2_anchored", "cifar/cifar10_wrn40_2", "cifar/cifar10_wrn40_2_anchored"]
+    assert result["config"]["recipes"] == wrn  # every recipe training WRN-40-2 at 32 px
+    assert sorted(cases(result)) == [f"fastanchor_wrn40_2@32 {kind}" for kind in ("anchored", "anchored+masked", "standard")]
+    written = tmp_path / "step-cpu-cifar_cifar10_wrn40_2_anchored.json"
+    found = cases(json.loads(written.read_text()))
+    anchored, standard = found["fastanchor_wrn40_2@32 anchored"]["median"], found["fastanchor_wrn40_2@32 standard"]["median"]
+    assert measured_throughput("cifar/cifar10_wrn40_2_anchored", True, tmp_path).startswith(f"{anchored:.3g} images/s on ")
+    assert measured_throughput("cifar/cifar100_wrn40_2", False, tmp_path).startswith(f"{standard:.3g} images/s on ")
+    assert "batch 2 (step-cpu-cifar_cifar10_wrn40_2_anchored.json)" in measured_throughput("cifar/cifar10_wrn40_2", False, tmp_path)
+    assert measured_throughput("cifar/cifar10_resnet18", False, tmp_path) == "not yet measured"
+    table = recipes_markdown(tmp_path)
+    assert sum("images/s on" in line for line in table.splitlines()) == 4
+
+
 def test_end_to_end_benchmark(tiny_dataset, results):
     result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
                    "--workers", 0, "--model", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--warmup-batches", 1,

@@ -13,8 +13,10 @@ optim.lr_batch and scaled linearly to the actual one, so a command adds
 (e.g. a one-GPU recipe on eight GPUs).
 
 Measured throughput comes only from benchmark result files (`benchmarks/results/*.json`, the
-`fastanchor-bench-v1` schema) whose config names the recipe (``"recipe": NAME``); a recipe without
-one reads "not yet measured".
+`fastanchor-bench-v1` schema) whose config names the recipe among its ``"recipes"`` (written by
+`fastanchor bench step --recipe NAME`: every recipe training that model at that resolution); the
+figure shown is the case of the recipe's kind (standard, or anchored without masking). A recipe
+without one reads "not yet measured".
 """
 
 from __future__ import annotations
@@ -87,20 +89,22 @@ def launch_command(recipe: Recipe, gpus: int) -> str:
     return f"torchrun --standalone --nproc_per_node {gpus} -m fastanchor {args}"
 
 
-def measured_throughput(name: str, results_dir: Path = RESULTS_DIR) -> str:
-    """'<median> images/s on <device> (<file>)' from a benchmark result naming the recipe, or 'not yet measured'."""
+def measured_throughput(name: str, anchored: bool, results_dir: Path = RESULTS_DIR) -> str:
+    """'<median> images/s on <device>, batch B (<file>)' from benchmark results naming the recipe, or 'not yet measured'."""
     found = []
+    kind = " anchored" if anchored else " standard"
     for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
         try:
             result = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise DataError(f"benchmark result '{path}' cannot be read: {error}") from None
-        if not isinstance(result, dict) or (result.get("config") or {}).get("recipe") != name:
+        if not isinstance(result, dict) or name not in ((result.get("config") or {}).get("recipes") or []):
             continue
         device = (result.get("environment") or {}).get("device_name", "?")
         for case in result.get("cases", []):
-            if case.get("status") == "ok" and case.get("unit") == "images/s":
-                found.append(f"{case['median']:.0f} images/s on {device} ({path.name}: {case['name']})")
+            if case.get("status") == "ok" and case.get("unit") == "images/s" and case.get("name", "").endswith(kind):
+                batch = case.get("batch_size", "?")
+                found.append(f"{case['median']:.3g} images/s on {device}, batch {batch} ({path.name})")
     return "; ".join(found) if found else "not yet measured"
 
 
@@ -130,7 +134,7 @@ def recipes_markdown(results_dir: Path = RESULTS_DIR) -> str:
                       f"{c.optim.lr_batch or c.data.batch_size}")
             lines.append("| " + " | ".join(_cell(v) for v in (
                 f"`{recipe.name}`", trains, recipe.about["aims_at"], f"`{launch_command(recipe, 1)}`",
-                f"`{launch_command(recipe, 8)}`", measured_throughput(recipe.name, results_dir))) + " |")
+                f"`{launch_command(recipe, 8)}`", measured_throughput(recipe.name, recipe.config.anchor.enabled, results_dir))) + " |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
