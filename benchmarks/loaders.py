@@ -11,7 +11,9 @@ resize to s x s that FFCV applies, in a tight loop over bytes held in memory, ti
 count. It is measured on the bytes each loader decodes: the source files for the torchvision
 DataLoader and DALI, and the JPEG records of the `.beton` (re-encoded by FFCV's writer) for FFCV.
 A loader's efficiency is its images/s over its limit; loaders that decode on the GPU are compared
-with their peers only.
+with their peers only. The limit assumes the decode scales with the worker count; the same loop run
+by that many processes at once measures how far it does on the machine at hand (`parallel
+scaling`), and FFCV is also compared with that measured figure.
 
 Loaders are found by name in `LOADERS`; `register_loader` adds one. A loader whose module or
 library is missing is reported as not available, with the reason.
@@ -187,34 +189,63 @@ def describe_images(index: ImageFolderIndex) -> dict:
 # The decode limit
 # --------------------------------------------------------------------------------------------
 
+def decode_all(blobs: list[bytes], *, image_size: int, min_scale: float, seed: int) -> None:
+    """libjpeg-turbo decode + random-resized crop + INTER_AREA resize of every blob, on one thread."""
+    import cv2
+
+    flag = getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)  # RGB straight from libjpeg-turbo where OpenCV can
+    rng = np.random.default_rng(seed)
+    threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        for blob in blobs:
+            image = cv2.imdecode(np.frombuffer(blob, dtype=np.uint8), flag)
+            top, left, h, w = random_resized_crop_box(image.shape[0], image.shape[1], min_scale, rng)
+            cv2.resize(image[top:top + h, left:left + w], (image_size, image_size), interpolation=cv2.INTER_AREA)
+    finally:
+        cv2.setNumThreads(threads)
+
+
+def _timed_decode(blobs: list[bytes], image_size: int, min_scale: float, seed: int, barrier) -> tuple[float, float]:
+    barrier.wait()
+    started = time.monotonic()  # CLOCK_MONOTONIC: comparable across the processes of one machine
+    decode_all(blobs, image_size=image_size, min_scale=min_scale, seed=seed)
+    return started, time.monotonic()
+
+
 def decode_limit_case(name: str, blobs: Callable[[], list[bytes]], *, image_size: int, min_scale: float, workers: int,
-                      seed: int) -> Case:
-    """libjpeg-turbo decode + random-resized crop + INTER_AREA resize of every blob, one thread,
-    scaled by `workers` (the case's value is the limit in images/s)."""
+                      seed: int, parallel: bool = False) -> Case:
+    """The decode loop over every blob on one thread, scaled by `workers` (the issue's decode limit); with
+    `parallel`, the same loop run by `workers` processes at once, measured (what the cores deliver together)."""
     try:
         import cv2
     except ImportError as error:
         return not_available(name, UNIT, f"OpenCV is not importable ({error})")
-    flag = getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)  # RGB straight from libjpeg-turbo where OpenCV can
     held: list[list[bytes]] = []
-    rng = np.random.default_rng(seed)
 
     def run() -> Measurement:
         if not held:
             held.append(blobs())
-        threads = cv2.getNumThreads()
-        cv2.setNumThreads(1)
-        try:
-            started = time.perf_counter()
-            for blob in held[0]:
-                image = cv2.imdecode(np.frombuffer(blob, dtype=np.uint8), flag)
-                top, left, h, w = random_resized_crop_box(image.shape[0], image.shape[1], min_scale, rng)
-                cv2.resize(image[top:top + h, left:left + w], (image_size, image_size), interpolation=cv2.INTER_AREA)
-            seconds = time.perf_counter() - started
-        finally:
-            cv2.setNumThreads(threads)
-        return Measurement(len(held[0]), seconds)
+        started = time.perf_counter()
+        decode_all(held[0], image_size=image_size, min_scale=min_scale, seed=seed)
+        return Measurement(len(held[0]), time.perf_counter() - started)
 
+    def run_parallel() -> Measurement:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        if not held:
+            held.append(blobs())
+        context = multiprocessing.get_context("fork")
+        barrier = context.Manager().Barrier(workers)
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            spans = list(pool.map(_timed_decode, [held[0]] * workers, [image_size] * workers, [min_scale] * workers,
+                                  [seed + i for i in range(workers)], [barrier] * workers))
+        return Measurement(workers * len(held[0]), max(end for _, end in spans) - min(start for start, _ in spans))
+
+    if parallel:
+        decoder = f"OpenCV {cv2.__version__} imdecode ({opencv_jpeg()}), {workers} processes at once, measured"
+        return Case(name, UNIT, run_parallel, info={"kind": "parallel decode", "decoder": decoder, "workers": workers})
     decoder = f"OpenCV {cv2.__version__} imdecode ({opencv_jpeg()}), one thread, x {workers} workers"
     return Case(name, UNIT, run, scale=float(workers), info={"kind": "limit", "decoder": decoder, "workers": workers})
 
@@ -278,6 +309,15 @@ def loader_cases(names: list[str], request: LoaderRequest, warmup_batches: int) 
                                 workers=workers, seed=request.seed) for s in needed]
     derived = [Derived(f"efficiency: {e.name}", e.name, limits[e.source], meaning=f"{e.name} images/s over its decode limit")
                for e in on_cpu]
+    if workers > 1 and "beton" in needed:  # does this machine's decode scale with the worker count? measured
+        parallel = f"decode in parallel (.beton, {workers} processes)"
+        cases.append(decode_limit_case(parallel, sources["beton"], image_size=request.image_size, min_scale=request.min_scale,
+                                       workers=workers, seed=request.seed, parallel=True))
+        derived += [Derived(f"parallel scaling: {workers} processes", parallel, limits["beton"],
+                            meaning=f"{workers} decode processes at once over {workers} x one process alone"),
+                    *[Derived(f"over the parallel decode: {e.name}", e.name, parallel,
+                              meaning=f"{e.name} images/s over {workers} decode processes measured at once")
+                      for e in on_cpu if e.source == "beton"]]
     derived += [Derived(f"{a.name}/{b.name}", a.name, b.name, meaning=f"{a.name} images/s over {b.name} images/s")
                 for i, a in enumerate(entries) for b in entries[i + 1:]]
     return cases, derived

@@ -131,20 +131,26 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--batch-size", 4,
-                   "--image-size", 32, "--workers", 1, "--warmup-batches", 1, "--loaders", "ffcv,torchvision,dali,nvjpeg",
+                   "--image-size", 32, "--workers", 2, "--warmup-batches", 1, "--loaders", "ffcv,torchvision,dali,nvjpeg",
                    "--ffcv-cache", tmp_path, "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
     assert "torch" in result["environment"]["libraries"] and result["config"]["dataset"]["images"] == 32
-    for name in ("ffcv", "torchvision", "decode limit (files, x1)", "decode limit (.beton, x1)"):
+    for name in ("ffcv", "torchvision", "decode limit (files, x2)", "decode limit (.beton, x2)",
+                 "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
     assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
     assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
     # every epoch: 8 batches of 4, one untimed -> 28 images per repetition
     assert [r["items"] for r in found["ffcv"]["repetitions"]] == [28, 28]
-    assert [r["items"] for r in found["decode limit (files, x1)"]["repetitions"]] == [32, 32]
+    assert [r["items"] for r in found["decode limit (files, x2)"]["repetitions"]] == [32, 32]
+    assert [r["items"] for r in found["decode in parallel (.beton, 2 processes)"]["repetitions"]] == [64, 64]  # 32 each
     efficiency = derived(result)["efficiency: ffcv"]
-    assert efficiency["value"] == pytest.approx(found["ffcv"]["median"] / found["decode limit (.beton, x1)"]["median"])
+    assert efficiency["value"] == pytest.approx(found["ffcv"]["median"] / found["decode limit (.beton, x2)"]["median"])
+    scaling = derived(result)["parallel scaling: 2 processes"]
+    assert scaling["value"] == pytest.approx(found["decode in parallel (.beton, 2 processes)"]["median"]
+                                             / found["decode limit (.beton, x2)"]["median"])
+    assert derived(result)["over the parallel decode: ffcv"]["status"] == "ok"
     peer = derived(result)["ffcv/torchvision"]
     rounds = [a["value"] / b["value"] for a, b in zip(found["ffcv"]["repetitions"], found["torchvision"]["repetitions"])]
     assert peer["per_round"] == pytest.approx(rounds)
