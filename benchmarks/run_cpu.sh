@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full CPU benchmark set, for a quiet machine (about 25 minutes on 2 cores). Writes
+# The full CPU benchmark set, for a quiet machine (about 30 minutes on 2 cores). Writes
 # benchmarks/results/{loader,op,step,e2e}-cpu.{json,md,png}, one step-cpu-<recipe> result per
 # recipe model, and regenerates README's performance block and Recipes table.
 #
@@ -36,7 +36,7 @@ if [[ $stage == all || $stage == step ]]; then
 fi
 if [[ $stage == all || $stage == recipes ]]; then
     # one recipe per model and resolution (the result names every recipe it stands for), at batch 8 on a CPU
-    for recipe in imagenet/rn50_16_epochs imagenet/rn18_16_epochs imagenet/vit_b16 imagenet/swinv2_t \
+    for recipe in imagenet/rn50_16_epochs imagenet/rn18_16_epochs imagenet/vit_b16 imagenet/swinv2_t imagenet/swinv2_s imagenet/swinv2_b \
                   cifar/cifar10_resnet18 cifar/cifar10_wrn40_2; do
         bench step --device cpu --repetitions 3 --out "$RESULTS" --recipe "$recipe" --batch-size 8 --steps 2
     done
