@@ -2,7 +2,7 @@
 augmentations the anchoring stage applies before pairing.
 
 AugMix mixes, per image, `width` chains of 1-3 random operations (autocontrast, equalize,
-posterize, rotate, solarize, shear, translate, and at severity > 0 also colour, contrast,
+posterize, rotate, solarize, shear, translate, and with torchvision's default all_ops also colour, contrast,
 brightness, sharpness) with Dirichlet weights, then blends the mix with the original image with a
 Beta weight. Each image is augmented on its own with torchvision's `v2.AugMix` (its operation set,
 severity scale and mixing), on the device the batch already lives on, so FFCV and DALI batches get

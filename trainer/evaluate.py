@@ -153,14 +153,15 @@ def calibration(outputs: Outputs, bins: int) -> dict:
     return {"smece": smooth_ece(probs, labels), "ece": binned_ece(probs, labels, bins)}
 
 
-def ood_scores(outputs: Outputs, anchored_std: bool) -> dict[str, np.ndarray]:
-    """Every anomaly score of a set, higher = more in-distribution."""
-    scores = {"energy": energy_score(outputs.logits), "msp": msp_score(outputs.logits),
-              "maxlogit": maxlogit_score(outputs.logits)}
-    if outputs.react_logits is not None:
-        scores["react"] = energy_score(outputs.react_logits)
-    if anchored_std:
-        scores["anchored_std"] = -outputs.std
+def ood_scores(logits: torch.Tensor, std: torch.Tensor | None = None,
+               react_logits: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+    """Every anomaly score of a set, higher = more in-distribution: energy, MSP, MaxLogit, ReAct (with
+    `react_logits`) and the anchored K-reference std (with `std`)."""
+    scores = {"energy": energy_score(logits), "msp": msp_score(logits), "maxlogit": maxlogit_score(logits)}
+    if react_logits is not None:
+        scores["react"] = energy_score(react_logits)
+    if std is not None:
+        scores["anchored_std"] = -std
     return {name: value.double().numpy() for name, value in scores.items()}
 
 
@@ -316,12 +317,12 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
 def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], clean_k: Outputs, tap, data, device) -> tuple[dict, dict]:
     positive = ev.config.eval.ood_positive
     anchored_std = ev.anchored and ev.k > 1
-    id_scores = ood_scores(clean_k, anchored_std)
+    id_scores = ood_scores(clean_k.logits, clean_k.std if anchored_std else None, clean_k.react_logits)
     per_set, values = {}, {"id": id_scores, "ood": {}}
     with tap or contextlib.nullcontext():
         for eval_set in oods:
             outputs = ev.run(ev.references_protocol(ev.k), loader_for(eval_set.dataset, data, device), f"{eval_set.name} K={ev.k}", tap)
-            scores = ood_scores(outputs, anchored_std)
+            scores = ood_scores(outputs.logits, outputs.std if anchored_std else None, outputs.react_logits)
             values["ood"][eval_set.name] = scores
             per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], positive) for name in scores}
     names = list(id_scores)

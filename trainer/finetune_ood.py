@@ -46,15 +46,12 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.checkpoint import atomic_write_bytes, save_checkpoint
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.errors import ConfigError, DataError, TrainingError
-from fastanchor.trainer.evaluate import accuracy, collect, load_for_inference, rejection_metrics
+from fastanchor.trainer.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
-from fastanchor.trainer.metrics import energy_score, maxlogit_score, msp_score
 from fastanchor.trainer.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
 from fastanchor.trainer.train import amp_dtype, resolve_device, seed_everything
 
-SCORES = {"energy": energy_score, "msp": msp_score, "maxlogit": maxlogit_score}
-CONVENTION = ("ID is the positive class and a higher score means more in-distribution; FPR95 is the fraction of "
-              "OOD images scoring at or above the threshold that keeps 95% of ID images")
+CONVENTION = CONVENTIONS["id"]
 
 
 def jigsaw_grids(config: Config) -> list[int]:
@@ -98,11 +95,10 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     clean = run(val_index, "ID")
     clean_k = run(val_index, f"ID K={k}", k) if k > 1 else clean
     ood = run(ood_index, f"OOD K={k}", k)
-    id_scores = {name: fn(clean_k["logits"]) for name, fn in SCORES.items()}
-    ood_scores = {name: fn(ood["logits"]) for name, fn in SCORES.items()}
-    if anchored and k > 1:
-        id_scores["anchored_std"], ood_scores["anchored_std"] = -clean_k["std"], -ood["std"]
-    per_score = {name: rejection_metrics(id_scores[name], ood_scores[name], "id") for name in id_scores}
+    with_std = anchored and k > 1
+    id_scores = ood_scores(clean_k["logits"], clean_k["std"] if with_std else None)
+    scores = ood_scores(ood["logits"], ood["std"] if with_std else None)
+    per_score = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
     return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
             "id": {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"]},
             "ood": {"convention": CONVENTION, "positive": "id",
@@ -256,7 +252,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     text = (f"# OOD fine-tuning (SFT) of {path}\n\n"
             f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
             f"jigsaw grids {settings['jigsaw_grids_used']}, BatchNorm {f.batchnorm}; ID: '{d.val_split}' "
-            f"({config.data.root}), OOD: '{d.ood_split}'.\n\n{table}\n\n{CONVENTION}; AUROC with ID as the positive class."
+            f"({config.data.root}), OOD: '{d.ood_split}'.\n\n{table}\n\n{CONVENTION}."
             + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
                f"references." if config.anchor.enabled else "") + "\n")
     atomic_write_bytes(out / "metrics.jsonl", lambda h: h.write("".join(json.dumps(r) + "\n" for r in records).encode()))
