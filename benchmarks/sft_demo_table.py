@@ -19,9 +19,13 @@ HEADER = """# SFT on the demo models: a settings sweep
 
 The two models are the demo recipe's (`fastanchor train --config demo`, 15 epochs; standard with
 `--set anchor.enabled=false`), trained on a 2-core CPU machine. Each row is one
-`fastanchor finetune-ood` run of 50 steps from the same checkpoint; `summary.json` in each folder
-holds every number and the exact command. AUROC and FPR95 (%) against the embedded OOD split, ID
-as the positive class. This file is generated: `python -m fastanchor.benchmarks.sft_demo_table`.
+`fastanchor finetune-ood` run of 50 steps from the same checkpoint, with the demo recipe's
+fine-tuning options (configs/demo.yaml: SAM on the normalisation layers, rho 0.5, lr 1e-4,
+lambda 0.5, BatchNorm running statistics kept as trained) and the row's overrides on top;
+`summary.json` in each folder holds every number and the exact command. ID top-1 on the 2500
+validation images; AUROC and FPR95 (%) against the embedded OOD split, ID as the positive class.
+Run by `python -m fastanchor.benchmarks.sft_demo_sweep`; this file is generated:
+`python -m fastanchor.benchmarks.sft_demo_table`.
 
 """
 
@@ -39,7 +43,7 @@ def sweep_rows(folder: Path) -> list[str]:
             return f"{100 * b:.1f} → {100 * a:.1f}"
 
         top1_b, top1_a = before["id"]["top1"], after["id"]["top1"]
-        options = summary["command"].split("--set train.progress=false", 1)[-1].strip() or "(paper defaults)"
+        options = summary["command"].split("--set train.progress=false", 1)[-1].strip() or "(the demo recipe's)"
         lines.append(f"| {path.parent.parent.name} | {path.parent.name} | {top1_b:.1f} → {top1_a:.1f} ({top1_a - top1_b:+.1f}) | "
                      f"{score('energy', 'auroc')} | {score('energy', 'fpr95')} | {score('msp', 'auroc')} | `{options}` |")
     return lines

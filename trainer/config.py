@@ -181,7 +181,7 @@ class FinetuneOODConfig:
     rho: float = _opt(0.5, "SAM perturbation radius: the ascent moves the perturbed parameters by rho in L2 norm")
     ood_weight: float = _opt(1.0, "lambda: weight of the distance to the uniform distribution on pseudo-OOD images, added to the ID cross-entropy")
     jigsaw_grids: list = _opt([2, 3, 5, 10, 15, 30, 60], "jigsaw grids (patches per side), one drawn per step; grids larger than data.image_size are left out; where a grid does not divide the side, the leftover border rows/columns stay in place")
-    batchnorm: str = _opt("id_batches", "BatchNorm during fine-tuning: id_batches (normalise with batch statistics; running statistics updated only by the ID batch at the unperturbed weights) or frozen (normalise with the running statistics, never updated)", choices=("id_batches", "frozen"))
+    batchnorm: str = _opt("id_batches", "BatchNorm during fine-tuning: id_batches (normalise with batch statistics; running statistics updated only by the ID batch at the unperturbed weights), keep (normalise with batch statistics; running statistics kept as trained) or frozen (normalise with the running statistics, never updated)", choices=("id_batches", "keep", "frozen"))
     seed: int = _opt(0, "seed of the data order, pseudo-OOD shuffles and references while fine-tuning")
 
 

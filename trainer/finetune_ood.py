@@ -17,9 +17,14 @@ One step, top to bottom:
     stage (the checkpoint's inference references, no masking; normalisation only for standard
     models) -> loss CE(f(x), y) + lambda * KL(U || softmax f(x')) -> one SAM step (trainer/sam.py).
 
-BatchNorm: running statistics move only with the ID batch at the unperturbed weights
-(`finetune_ood.batchnorm = id_batches`) or never (`frozen`); the pseudo-OOD forwards and the
-whole pass at the ascended weights leave them untouched (see trainer/sam.py).
+BatchNorm (`finetune_ood.batchnorm`): layers normalise with the batch's statistics and their running
+statistics move only with the ID batch at the unperturbed weights (`id_batches`); or they normalise
+with the batch's statistics and keep the running statistics as trained (`keep`); or they normalise
+with the running statistics, never updated (`frozen`). In every mode the pseudo-OOD forwards and
+the whole pass at the ascended weights leave the running statistics untouched (see trainer/sam.py).
+`keep` is for small steps on small models: with momentum 0.1, 50 moving-average updates re-estimate
+the statistics from the last few batches, and that noise alone moves the demo model's ID top-1 by
+more than a point (the bn_ema_only rows of benchmarks/results/sft_demo/README.md).
 Precision: bf16 autocast where train.amp resolves to bf16 (CUDA), float32 otherwise (fp16 would
 need loss scaling in both SAM passes; 50 steps are cheap).
 """
@@ -150,6 +155,11 @@ def set_finetune_mode(model: torch.nn.Module, batchnorm: str) -> None:
                 module.eval()
 
 
+def running_stats_policy(model: torch.nn.Module, batchnorm: str) -> contextlib.AbstractContextManager:
+    """The context the fine-tuning steps run in: running statistics untouched throughout for 'keep'."""
+    return running_stats_frozen(model) if batchnorm == "keep" else contextlib.nullcontext()
+
+
 def sft_loss(model: torch.nn.Module, id_batch: AnchoredBatch, ood_batch: AnchoredBatch, ood_weight: float,
              dtype: torch.dtype | None = None) -> Callable[[], dict]:
     """The SFT loss of one step as a closure for `sam_step`: CE on ID + ood_weight * KL(U || p) on pseudo-OOD.
@@ -201,20 +211,21 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
     records, started, seen = [], time.perf_counter(), 0
     batches = endless(loader)
     bar = tqdm(range(f.steps), desc="finetune-ood", disable=not progress, unit="step", dynamic_ncols=True)
-    for step in bar:
-        images, labels = to_device_batch(*next(batches), device)
-        grid = draw_grid(grids, generator)
-        id_batch = stage.process(images, labels)
-        ood_batch = stage.process(pseudo_ood(images, grid, generator), labels)
+    with running_stats_policy(model, f.batchnorm):
+        for step in bar:
+            images, labels = to_device_batch(*next(batches), device)
+            grid = draw_grid(grids, generator)
+            id_batch = stage.process(images, labels)
+            ood_batch = stage.process(pseudo_ood(images, grid, generator), labels)
 
-        closure = sft_loss(model, id_batch, ood_batch, f.ood_weight, dtype)
-        losses = {key: value.item() for key, value in sam_step(model, optimizer, closure, perturbed, f.rho).items()}
-        if not all(map(math.isfinite, losses.values())):
-            raise TrainingError(f"the fine-tuning loss became {losses['loss']} at step {step + 1}; nothing was written")
-        seen += labels.numel()
-        images_per_s = seen / (time.perf_counter() - started)
-        records.append({"step": step + 1, **losses, "grid": grid, "images_per_s": images_per_s})
-        bar.set_postfix(loss=f"{losses['loss']:.3f}", ood=f"{losses['ood_loss']:.3f}", img_s=f"{images_per_s:.0f}")
+            closure = sft_loss(model, id_batch, ood_batch, f.ood_weight, dtype)
+            losses = {key: value.item() for key, value in sam_step(model, optimizer, closure, perturbed, f.rho).items()}
+            if not all(map(math.isfinite, losses.values())):
+                raise TrainingError(f"the fine-tuning loss became {losses['loss']} at step {step + 1}; nothing was written")
+            seen += labels.numel()
+            images_per_s = seen / (time.perf_counter() - started)
+            records.append({"step": step + 1, **losses, "grid": grid, "images_per_s": images_per_s})
+            bar.set_postfix(loss=f"{losses['loss']:.3f}", ood=f"{losses['ood_loss']:.3f}", img_s=f"{images_per_s:.0f}")
     model.eval()
     return records
 
