@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
+from fastanchor.benchmarks.sft_demo_sweep import run_setting
+from fastanchor.benchmarks.sft_demo_table import HEADER, sweep_rows
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.kernels.pseudo_ood import allowed_grids
 from fastanchor.pipeline.data import eval_loader, split_index
@@ -153,8 +155,6 @@ def test_an_existing_summary_is_not_overwritten(runs, tmp_path):
 
 
 def test_the_committed_sft_sweep_table_is_generated_from_its_result_files():
-    from fastanchor.benchmarks.sft_demo_table import HEADER, sweep_rows
-
     folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sft_demo"
     rows = sweep_rows(folder)
     assert len(rows) == 2 + len(list(folder.glob("*/*/summary.json"))) > 2
@@ -175,5 +175,17 @@ def test_keep_leaves_the_running_statistics_as_trained_while_the_weights_move(ru
     unchanged = [name for name in statistics if torch.equal(trained[name], finetuned[name])]
     # keep: untouched; id_batches: two ID batches moved every one of them (so the comparison can fail)
     assert unchanged == (statistics if batchnorm == "keep" else [])
-    weights = [name for name in trained if name not in statistics]
-    assert all(not torch.equal(trained[name], finetuned[name]) for name in weights if name.endswith("bn1.weight"))
+    normalisation_weights = [name for name in trained if name.endswith("bn1.weight")]
+    assert normalisation_weights and all(not torch.equal(trained[name], finetuned[name]) for name in normalisation_weights)
+
+
+def test_the_sweep_records_each_setting_with_its_command_and_tabulates_it(runs, tmp_path):
+    checkpoint = runs / "standard" / "final.pt"
+    overrides = ["finetune_ood.steps=2", "finetune_ood.ood_weight=0"]
+    run_setting(checkpoint, overrides, tmp_path / "standard" / "ce_only")
+    summary = json.loads((tmp_path / "standard" / "ce_only" / "summary.json").read_text())
+    assert summary["command"].endswith("--set finetune_ood.steps=2 --set finetune_ood.ood_weight=0")
+    assert summary["finetune_ood"]["steps"] == 2 and summary["finetune_ood"]["ood_weight"] == 0
+    assert not list(tmp_path.rglob("*.pt"))  # the fine-tuned weights are not kept
+    rows = sweep_rows(tmp_path)
+    assert len(rows) == 3 and rows[2].startswith("| standard | ce_only |")
