@@ -14,7 +14,7 @@ from fastanchor.pipeline.data import split_index, train_loader
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.errors import ConfigError
-from fastanchor.trainer.finetune_ood import perturbed_parameters, set_finetune_mode, sft_loss
+from fastanchor.trainer.finetune_ood import finetune_mode, perturbed_parameters, sft_loss
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.sam import ascend, normalization_parameters, running_stats_frozen, sam_step
 
@@ -86,7 +86,6 @@ def weights_at_each_forward(model):
 def run_one_step(batches, optimizer_kind, lr=0.0, momentum=0.0, weight_decay=0.0, batchnorm="id_batches", at_descent=None):
     """One SAM step of a fresh model; `at_descent` (a list) receives the weights the descent step starts from."""
     model = fresh_model()
-    set_finetune_mode(model, batchnorm)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     snapshots = weights_at_each_forward(model)
@@ -94,7 +93,8 @@ def run_one_step(batches, optimizer_kind, lr=0.0, momentum=0.0, weight_decay=0.0
     if at_descent is not None:
         optimizer.register_step_pre_hook(lambda *_: at_descent.append({n: p.detach().clone() for n, p in model.named_parameters()}))
     perturbed = perturbed_parameters(model, optimizer_kind)
-    sam_step(model, optimizer, sft_loss(model, *batches, 1.0), perturbed, RHO)
+    with finetune_mode(model, batchnorm):
+        sam_step(model, optimizer, sft_loss(model, *batches, 1.0), perturbed, RHO)
     return model, start, buffers, snapshots, names(model, perturbed)
 
 
@@ -102,8 +102,8 @@ def gradient_at(batches, start):
     """The SFT loss gradient at `start`, computed on a separate copy of the model."""
     model = fresh_model()
     model.load_state_dict(start, strict=False)
-    set_finetune_mode(model, "id_batches")
-    sft_loss(model, *batches, 1.0)()["loss"].backward()
+    with finetune_mode(model, "id_batches"):
+        sft_loss(model, *batches, 1.0)()["loss"].backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -175,7 +175,9 @@ def test_descent_updates_every_parameter_and_running_stats_move_once_with_the_id
 def test_frozen_batchnorm_never_moves_running_stats(batches):
     model, _, buffers, *_ = run_one_step(batches, "sam_norm", lr=1e-3, batchnorm="frozen")
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
-    assert all(not m.training for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    model = fresh_model()
+    with finetune_mode(model, "frozen"):
+        assert model.training and all(not m.training for m in model.modules() if isinstance(m, nn.BatchNorm2d))
 
 
 def test_running_stats_frozen_keeps_batch_statistics_and_restores_the_flag():

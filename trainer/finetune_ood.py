@@ -37,7 +37,7 @@ import json
 import math
 import time
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -146,18 +146,21 @@ def perturbed_parameters(model: torch.nn.Module, optimizer: str) -> list[torch.n
     return found
 
 
-def set_finetune_mode(model: torch.nn.Module, batchnorm: str) -> None:
-    """Training mode (dropout on); with batchnorm = 'frozen', BatchNorm layers stay in eval mode."""
+@contextlib.contextmanager
+def finetune_mode(model: torch.nn.Module, batchnorm: str) -> Iterator[None]:
+    """Inside, the model is in training mode (dropout on) with BatchNorm handled as `finetune_ood.batchnorm`
+    says: 'frozen' layers stay in eval mode, 'keep' leaves the running statistics untouched throughout.
+    The model is left in eval mode."""
     model.train()
     if batchnorm == "frozen":
         for module in model.modules():
             if isinstance(module, _BatchNorm):
                 module.eval()
-
-
-def running_stats_policy(model: torch.nn.Module, batchnorm: str) -> contextlib.AbstractContextManager:
-    """The context the fine-tuning steps run in: running statistics untouched throughout for 'keep'."""
-    return running_stats_frozen(model) if batchnorm == "keep" else contextlib.nullcontext()
+    try:
+        with running_stats_frozen(model) if batchnorm == "keep" else contextlib.nullcontext():
+            yield
+    finally:
+        model.eval()
 
 
 def sft_loss(model: torch.nn.Module, id_batch: AnchoredBatch, ood_batch: AnchoredBatch, ood_weight: float,
@@ -206,12 +209,11 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
     perturbed = perturbed_parameters(model, f.optimizer)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=f.lr,
                                 momentum=f.momentum, weight_decay=f.weight_decay)
-    set_finetune_mode(model, f.batchnorm)
 
     records, started, seen = [], time.perf_counter(), 0
     batches = endless(loader)
     bar = tqdm(range(f.steps), desc="finetune-ood", disable=not progress, unit="step", dynamic_ncols=True)
-    with running_stats_policy(model, f.batchnorm):
+    with finetune_mode(model, f.batchnorm):
         for step in bar:
             images, labels = to_device_batch(*next(batches), device)
             grid = draw_grid(grids, generator)
@@ -226,7 +228,6 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
             images_per_s = seen / (time.perf_counter() - started)
             records.append({"step": step + 1, **losses, "grid": grid, "images_per_s": images_per_s})
             bar.set_postfix(loss=f"{losses['loss']:.3f}", ood=f"{losses['ood_loss']:.3f}", img_s=f"{images_per_s:.0f}")
-    model.eval()
     return records
 
 
