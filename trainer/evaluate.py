@@ -30,10 +30,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fastanchor.pipeline.data import eval_loader, split_index
+from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
+from fastanchor.pipeline.data import eval_loader, split_index, train_loader
 from fastanchor.pipeline.eval_sets import EvalSet, loader_for, ood_sets, shift_sets, subset
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
 from fastanchor.trainer.checkpoint import atomic_write_bytes, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
 from fastanchor.trainer.errors import ConfigError
@@ -80,6 +82,32 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, config, state
+
+
+def recalibration_batches(config: Config, classes, device: torch.device, batches: int):
+    """`batches` unmasked network inputs from the training split (its training augmentation, in-batch
+    derangement references for an anchored model), seeded by eval.seed: what BatchNorm statistics are
+    re-estimated from (eval.recalibrate_bn)."""
+    index = split_index(config.data, config.data.train_split, classes)
+    loader = train_loader(config.data, index, device, config.eval.seed, progress=False)
+    stage = AnchoringStage(loader, AnchoringSpec(anchored=config.anchor.enabled, alpha=0.0), device=device,
+                           seed=config.eval.seed)
+    for number, batch in enumerate(stage):
+        if number == batches:
+            return
+        yield batch.inputs
+
+
+def recalibrate_batchnorm(model: torch.nn.Module, config: Config, classes, device: torch.device) -> dict | None:
+    """Re-estimate the model's BatchNorm running statistics when eval.recalibrate_bn asks (the checkpoint
+    file is left as it is); the note recorded in eval.json."""
+    wanted = config.eval.recalibrate_bn
+    if not wanted or not batchnorm_layers(model):
+        return None
+    used = recalibrate(model, recalibration_batches(config, classes, device, wanted))
+    return {"recalibrated_batches": used, "images": used * config.data.batch_size,
+            "note": "BatchNorm running statistics re-estimated (plain average) on unmasked training batches; "
+                    "the checkpoint's own statistics were not used"}
 
 
 @dataclass
@@ -258,6 +286,9 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
                           "(anchor.inference_references): set eval.blt=false")
     result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch")}
+    recalibrated = recalibrate_batchnorm(model, config, classes, device)
+    if recalibrated:
+        result["batchnorm"] = recalibrated
 
     # --- inference protocols on the validation split ----------------------------------------------
     tap = ev.react_tap() if oods else None

@@ -39,6 +39,7 @@ from fastanchor.pipeline.erasing import RandomErasing
 from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
+from fastanchor.trainer.batchnorm import UnmaskedRunningStats
 from fastanchor.trainer.checkpoint import (
     atomic_write_bytes,
     checkpoint_name,
@@ -316,6 +317,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
         device=device, dtype=input_dtype, seed=t.seed,  # the same seed on every rank: batch-level masks agree
         augment=device_augmentations(g, augment_seed))
+    running_stats = UnmaskedRunningStats(model, a.mask_level) if a.enabled and a.masked_batchnorm == "skip" else None
     mixer = BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed)
     losses = LossWindow(device)
 
@@ -419,7 +421,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                 batch = stage.process(images, labels)
                 inputs, mix = mixer(batch.inputs, batch.masked)  # Mixup/CutMix on the device; masked stay masked
                 kept_buffers = [buffer.clone() for buffer in model.buffers()] if t.nonfinite == "skip" else None
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None), \
+                        running_stats.forward(batch.masked) if running_stats else contextlib.nullcontext():
                     logits = step_model(inputs)
                     loss = anchored_cross_entropy(logits, batch.labels, batch.masked, mix=mix,
                                                   label_smoothing=o.label_smoothing, masked_target=a.masked_target)
