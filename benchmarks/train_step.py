@@ -38,7 +38,8 @@ class TrainingSetup:
 
     def __init__(self, model_name: str, image_size: int, *, anchored: bool, device: torch.device, amp: str,
                  channels_last: bool, compile: bool, num_classes: int, seed: int):
-        from fastanchor.trainer.train import amp_dtype, build_model, make_optimizer
+        from fastanchor.trainer.build import build_model
+        from fastanchor.trainer.train import amp_dtype, make_optimizer
 
         config = Config()
         config.model.name = model_name

@@ -36,6 +36,7 @@ from fastanchor.pipeline.eval_sets import EvalSet, loader_for, ood_sets, shift_s
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
+from fastanchor.trainer.build import build_model
 from fastanchor.trainer.checkpoint import atomic_write_bytes, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
 from fastanchor.trainer.errors import ConfigError
@@ -54,7 +55,7 @@ from fastanchor.trainer.metrics import (
     smooth_ece,
     topk_correct,
 )
-from fastanchor.trainer.models import ModelError, create_model
+from fastanchor.trainer.models import ModelError
 from fastanchor.trainer.train import resolve_device
 
 CONVENTIONS = {
@@ -75,13 +76,9 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
     for text in overrides:
         set_value(config, *parse_override(text))
     validate(config)
-    model = create_model(config.model.name, len(state["classes"]), anchored=config.anchor.enabled,
-                         image_size=config.data.image_size)
+    model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
     model.load_state_dict(state["model"])
-    model = model.to(device).eval()
-    if config.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model, config, state
+    return model.eval(), config, state
 
 
 def recalibration_batches(config: Config, classes, device: torch.device, batches: int):

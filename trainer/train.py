@@ -40,6 +40,7 @@ from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.batchnorm import UnmaskedRunningStats
+from fastanchor.trainer.build import build_model
 from fastanchor.trainer.checkpoint import (
     atomic_write_bytes,
     checkpoint_name,
@@ -64,7 +65,6 @@ from fastanchor.trainer.inference import predict
 from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.loss_window import LossWindow, finite_on_every_process, nonfinite_tensors
 from fastanchor.trainer.metrics import topk_correct
-from fastanchor.trainer.models import create_model
 from fastanchor.trainer.resume import ResumePoint, capture_rng, find_resume_point, restore_rng
 from fastanchor.trainer.schedule import lr_factor, peak_lr
 
@@ -129,18 +129,6 @@ def run_directory(config: Config, reuse: bool = False) -> Path:
         raise ConfigError(f"run directory '{run_dir}' already exists and is not empty: choose another train.run_name "
                           f"(or --resume auto to continue it)")
     return run_dir
-
-
-def build_model(config: Config, num_classes: int, device: torch.device) -> torch.nn.Module:
-    model = create_model(config.model.name, num_classes, anchored=config.anchor.enabled,
-                         pretrained=config.model.pretrained, image_size=config.data.image_size,
-                         drop_rate=config.model.drop_rate, blurpool=config.model.blurpool)
-    model = model.to(device)
-    if config.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model
-
-
 
 
 def make_deterministic() -> None:
