@@ -1,6 +1,8 @@
 """The three loaders (torchvision, FFCV over a .beton written from the same tree, DALI) decode the
 same dataset to the same labels and, for eval decoding, to images that agree within a measured
-JPEG/resize tolerance. Real JPEGs (the tiny embedded dataset), real pipelines, CPU."""
+JPEG/resize tolerance; with augment.hflip false none of them mirrors a training image, and
+the trainer and fine-tuning pass the option down. Real JPEGs (the tiny embedded dataset), real
+pipelines, CPU."""
 
 from __future__ import annotations
 
