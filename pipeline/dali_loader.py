@@ -63,7 +63,9 @@ class DALILoader:
     Train: random-resized-crop fused into the decoder (`decoders.image_random_crop`: only the
     crop's region is decoded where the format allows) with area scale in [min_scale, 1] and aspect
     ratio in [3/4, 4/3] (torchvision's defaults, 10 attempts), resized to s x s (antialiased
-    linear), horizontal flip with probability 1/2. `crop="padded"` (CIFAR's) instead decodes the
+    linear), horizontal flip with probability 1/2 (never with `hflip=False`, in either crop; the
+    coin is still drawn, so the crops, shifts and policies are those of `hflip=True`, minus the
+    flip). `crop="padded"` (CIFAR's) instead decodes the
     whole image, resizes it to s x s and, after the flip, shifts it by up to `padding` pixels each
     way inside a black frame. `policy` (autoaugment, randaugment, trivialaugment_wide) then applies
     DALI's `auto_aug` per sample (see `apply_policy`); DALI has no AugMix. Eval: shorter side resized to
@@ -101,6 +103,7 @@ class DALILoader:
         crop: str = "random_resized",
         padding: int = 4,
         policy: str = "none",
+        hflip: bool = True,
         workers: int,
         device: torch.device | str,
         seed: int = 0,
@@ -140,7 +143,9 @@ class DALILoader:
             raise ConfigError(f"policy = {policy!r}: DALI's auto_aug offers {', '.join(DALI_POLICIES)}")
         if not (isinstance(padding, int) and padding >= 0):
             raise ConfigError(f"padding = {padding!r}: expected an integer >= 0")
-        self.crop, self.padding, self.policy = crop, padding, policy
+        if not isinstance(hflip, bool):
+            raise ConfigError(f"hflip = {hflip!r}: expected True or False")
+        self.crop, self.padding, self.policy, self.hflip = crop, padding, policy, hflip
         self.threads = max(1, workers)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -261,7 +266,9 @@ class DALILoader:
                 encoded, device=decoder, output_type=types.RGB, random_area=[self.min_scale, 1.0],
                 random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, adjust_orientation=False, jpeg_fancy_upsampling=True)
         images = fn.resize(images, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR, antialias=True)
-        images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+        # With hflip=False the coin stays, never heads: DALI seeds each random operator from the pipeline
+        # seed in the order they are built, so removing it would change the shifts and policies after it.
+        images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5 if self.hflip else 0.0))
         if self.policy != "none":
             images = apply_policy(images, self.policy, size)
         if self.crop == "padded" and self.padding:

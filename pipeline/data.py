@@ -111,25 +111,26 @@ def check_loader_supports(config: Config) -> None:
 
 
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
-                 rank: int = 0, world_size: int = 1, policy: str = "none", progress: bool = True):
+                 rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True):
     """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
-    `policy` is augment.auto_augment (see check_loader_supports); `progress`: the .beton writer's bar, if it writes."""
+    `policy` is augment.auto_augment (see check_loader_supports), `hflip` augment.hflip (random horizontal
+    flips, or none); `progress`: the .beton writer's bar, if it writes."""
     if data.loader == "ffcv":
         from fastanchor.pipeline.ffcv_loader import FFCVLoader
 
         return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.batch_size, train=True, image_size=data.image_size,
-                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding,
+                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding, hflip=hflip,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
                           order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
     if data.loader == "dali":
         from fastanchor.pipeline.dali_loader import DALILoader
 
         return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
-                          crop=data.train_crop, padding=data.crop_padding, policy=policy,
+                          crop=data.train_crop, padding=data.crop_padding, policy=policy, hflip=hflip,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
                           shard_id=rank, num_shards=world_size)
     transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
-                                           padding=data.crop_padding, policy=policy)
+                                           padding=data.crop_padding, policy=policy, hflip=hflip)
     dataset = DecodedImages(index, transform_for_size(data.image_size))
     return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
                              workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,

@@ -430,7 +430,8 @@ class FFCVLoader:
 
     Iterating yields (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on `device`.
     Train: RandomResizedCrop to s x s with area scale in [min_scale, 1] and aspect ratio in
-    [3/4, 4/3] (torchvision's defaults), horizontal flip with probability 1/2. Eval: the central
+    [3/4, 4/3] (torchvision's defaults), horizontal flip with probability 1/2 (none with
+    `hflip=False`, in either crop). Eval: the central
     square of side `crop_ratio * shorter side`, resized to s x s (torchvision: resize the shorter
     side to s / crop_ratio, crop s x s). FFCV resizes with OpenCV's INTER_AREA.
 
@@ -470,6 +471,7 @@ class FFCVLoader:
         min_scale: float = 0.35,
         crop: str = "random_resized",
         padding: int = 4,
+        hflip: bool = True,
         workers: int,
         device: torch.device | str,
         seed: int = 0,
@@ -511,13 +513,16 @@ class FFCVLoader:
         self.threads = max(1, min(int(workers), numba.config.NUMBA_NUM_THREADS))
         if crop not in ("random_resized", "padded"):
             raise ConfigError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
+        if not isinstance(hflip, bool):
+            raise ConfigError(f"hflip = {hflip!r}: expected True or False")
+        flip = [RandomHorizontalFlip()] if hflip else []  # FFCV's flips are not seeded: nothing to keep in step
         if train and crop == "padded":  # CIFAR's: the whole image at image_size, flipped, shifted in a black frame
             self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=1.0)
-            image_pipeline = [self.decoder, RandomHorizontalFlip(), RandomTranslate(padding=padding), ToTensor()]
+            image_pipeline = [self.decoder, *flip, RandomTranslate(padding=padding), ToTensor()]
         elif train:
             self.decoder = RandomResizedCropRGBImageDecoder((image_size, image_size), scale=(min_scale, 1.0),
                                                             ratio=(3 / 4, 4 / 3))
-            image_pipeline = [self.decoder, RandomHorizontalFlip(), ToTensor()]
+            image_pipeline = [self.decoder, *flip, ToTensor()]
         else:
             self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=crop_ratio)
             image_pipeline = [self.decoder, ToTensor()]

@@ -36,16 +36,21 @@ AUTO_AUGMENT_POLICIES = {
 
 
 def train_transform(image_size: int, min_scale: float, *, crop: str = "random_resized", padding: int = 4,
-                    policy: str = "none") -> v2.Transform:
+                    policy: str = "none", hflip: bool = True) -> v2.Transform:
     """Crop (random-resized, or CIFAR's padded random crop), horizontal flip, then an optional
-    augmentation policy per image (torchvision's reference order), as a uint8 tensor."""
+    augmentation policy per image (torchvision's reference order), as a uint8 tensor.
+
+    `hflip=False` never flips: the flip step stays with probability 0, so it still draws its coin
+    and a seeded sample's crop and policy are the ones it gets with `hflip=True`, minus the flip."""
     if crop == "random_resized":
         cropping = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
     elif crop == "padded":
         cropping = v2.RandomCrop(image_size, padding=padding, fill=0)
     else:
         raise ValueError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
-    steps = [cropping, v2.RandomHorizontalFlip()]
+    if not isinstance(hflip, bool):
+        raise ValueError(f"hflip = {hflip!r}: expected True or False")
+    steps = [cropping, v2.RandomHorizontalFlip(p=0.5 if hflip else 0.0)]
     if policy != "none":
         steps.append(AUTO_AUGMENT_POLICIES[policy]())
     return v2.Compose([*steps, v2.PILToTensor()])

@@ -139,6 +139,7 @@ CASES = {
     "embedded resolution too small": Case(lambda w, d: train(w, d, **{"embedded.image_size": 8}), "embedded.image_size = 8: expected 32 to 256"),
     "negative checkpoint interval": Case(lambda w, d: train(w, d, **{"train.checkpoint_interval": -5}), "train.checkpoint_interval = -5: expected >= 0 steps"),
     "negative checkpoints kept": Case(lambda w, d: train(w, d, **{"train.keep_checkpoints": -1}), "train.keep_checkpoints = -1: expected >= 0"),
+    "hflip not a boolean": Case(lambda w, d: train(w, d, **{"augment.hflip": "sometimes"}), "config key 'augment.hflip' expects bool, got 'sometimes'"),
     "unknown nan policy": Case(lambda w, d: train(w, d, **{"train.nonfinite": "ignore"}), "train.nonfinite = 'ignore': expected one of stop, skip"),
     # --- paths ---
     "missing data directory": Case(lambda w, d: train(w, d, **folder(w / "nowhere")), "data directory '{w}/nowhere/train' does not exist"),

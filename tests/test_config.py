@@ -21,6 +21,8 @@ def test_demo_recipe_loads_and_overrides_apply():
     ("anchr.alpha=0.2", "unknown config key 'anchr.alpha'"),
     ("anchor.mask_level=pixel", "anchor.mask_level = 'pixel': expected one of batch, sample"),
     ("train.epochs=two", "config key 'train.epochs' expects int, got 'two'"),
+    ("augment.hflip=maybe", "config key 'augment.hflip' expects bool, got 'maybe'"),
+    ("augment.hflip=1", "config key 'augment.hflip' expects bool, got 1"),
     ("model.name=resnet181", "unknown model 'resnet181'"),
     ("eval.corruptions=[fog, blurry]", "unknown corruption 'blurry'"),
     ("eval.severities=[0]", "eval.severities = [0]: expected integers 1 to 5"),
@@ -31,6 +33,14 @@ def test_bad_values_raise_one_clear_line(override, message):
         load_config("demo", [override])
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_augment_hflip_defaults_to_true_and_reads_yaml_booleans(tmp_path):
+    assert Config().augment.hflip is True and load_config("demo").augment.hflip is True
+    assert load_config("demo", ["augment.hflip=false"]).augment.hflip is False
+    recipe = tmp_path / "digits.yaml"
+    recipe.write_text("base: demo\naugment:\n  hflip: false\n")
+    assert load_config(str(recipe)).augment.hflip is False
 
 
 def test_unknown_recipe_and_bad_yaml(tmp_path):

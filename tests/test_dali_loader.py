@@ -202,7 +202,8 @@ def test_train_order_and_augmentation_reproducible_per_seed_and_epoch(indexes):
 def test_train_crops_and_flips(tmp_path):
     """An image dark on the left and bright on the right: a flipped crop is bright on the left.
     With min_scale 1 the crop keeps (almost) the whole image, so only the flip changes the sides;
-    with min_scale 0.1 the crops differ from sample to sample."""
+    with min_scale 0.1 the crops differ from sample to sample. With hflip=False no image is flipped,
+    and each is the one hflip=True gives, unflipped."""
     (tmp_path / "a").mkdir()
     halves = np.zeros((64, 64, 3), dtype=np.uint8)
     halves[:, 32:] = 255
@@ -210,9 +211,9 @@ def test_train_crops_and_flips(tmp_path):
         Image.fromarray(halves).save(tmp_path / "a" / f"{i:02d}.png")
     index = scan_image_folder(tmp_path)
 
-    def images(min_scale):
-        loader = DALILoader(index, batch_size=40, train=True, image_size=SIZE, min_scale=min_scale, workers=2,
-                            device="cpu", seed=1, drop_last=False)
+    def images(min_scale, hflip=True):
+        loader = DALILoader(index, batch_size=40, train=True, image_size=SIZE, min_scale=min_scale, hflip=hflip,
+                            workers=2, device="cpu", seed=1, drop_last=False)
         return next(iter(loader))[0].float()
 
     whole = images(1.0)
@@ -220,6 +221,9 @@ def test_train_crops_and_flips(tmp_path):
     flipped = (left > 200) & (right < 55)
     assert bool(((left < 55) & (right > 200) | flipped).all())  # every image one way or the other
     assert 8 <= int(flipped.sum()) <= 32  # about half (binomial(40, 1/2): outside this range p < 1e-4)
+    never = images(1.0, hflip=False)
+    assert bool(((never[..., :8].mean(dim=(1, 2, 3)) < 55) & (never[..., -8:].mean(dim=(1, 2, 3)) > 200)).all())
+    assert torch.equal(never[~flipped], whole[~flipped]) and torch.equal(never[flipped], whole[flipped].flip(-1))
     small = images(0.1)
     assert len({tuple(image.flatten().tolist()) for image in small}) > 10  # crops differ
 
@@ -270,7 +274,7 @@ def test_bad_folders_and_files_raise_one_line(indexes, tmp_path):
     options = dict(batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False)
     for bad, what in (({"shard_id": 2, "num_shards": 2}, "shard_id"), ({"num_shards": 0}, "num_shards"),
                       ({"batch_size": 0}, "batch_size"), ({"crop_ratio": 1.5}, "crop_ratio"),
-                      ({"min_scale": 0.0}, "min_scale"), ({"workers": -1}, "workers")):
+                      ({"min_scale": 0.0}, "min_scale"), ({"workers": -1}, "workers"), ({"hflip": "no"}, "hflip")):
         with pytest.raises(ConfigError, match=what):
             DALILoader(val, **{**options, **bad})
 

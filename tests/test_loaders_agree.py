@@ -1,16 +1,24 @@
 """The three loaders (torchvision, FFCV over a .beton written from the same tree, DALI) decode the
 same dataset to the same labels and, for eval decoding, to images that agree within a measured
-JPEG/resize tolerance. Real JPEGs (the tiny embedded dataset), real pipelines, CPU."""
+JPEG/resize tolerance; with augment.hflip false none of them mirrors a training image, and
+the trainer and fine-tuning pass the option down. Real JPEGs (the tiny embedded dataset), real
+pipelines, CPU."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.dali_loader import DALILoader
+from fastanchor.pipeline.data import train_loader
 from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, eval_transform
+from fastanchor.trainer.config import DataConfig
 
 LOADERS = ("torchvision", "ffcv", "dali")
 
@@ -79,3 +87,130 @@ def test_eval_decoding_agrees_across_the_three_loaders(val_split):
             assert per_image.mean() < 6.5 and per_image.max() < 10, (first, second, per_image)
         else:
             assert per_image.mean() < 0.3 and (a - b).abs().max() <= 1, (first, second, per_image)
+
+
+# --------------------------------------------------------------------------------------------
+# augment.hflip: training images are mirrored at random, or never
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def train_copy(tiny_dataset, tmp_path_factory):
+    """A copy of the train split (FFCV writes its .beton under data.root) and its eval decoding at
+    crop_ratio 1: each image as it is, float [N, 3, 32, 32]."""
+    root = tmp_path_factory.mktemp("hflip") / "embedded"
+    shutil.copytree(tiny_dataset / "train", root / "train")
+    index = scan_image_folder(root / "train")
+    whole = DecodedImages(index, eval_transform(32, 1.0))
+    return index, torch.stack([whole[i][0] for i in range(len(whole))]).float()
+
+
+def nearest_source(images: torch.Tensor, sources: torch.Tensor, padding: int):
+    """For each training image, the candidate nearest to it among every source image, as it is or
+    mirrored, at every shift a padded crop can make (black frame): (source index, mirrored, shift
+    index, mean absolute difference to it in 0-255 units)."""
+    both = torch.stack([sources, sources.flip(-1)], 1)  # [N, 2, 3, s, s]
+    size = sources.shape[-1]
+    framed = F.pad(both, (padding,) * 4)
+    shifts = [framed[..., dy:dy + size, dx:dx + size] for dy in range(2 * padding + 1) for dx in range(2 * padding + 1)]
+    candidates = torch.stack(shifts, 2).flatten(3)  # [N, 2, S, 3 s s]
+    flat = candidates.flatten(0, 2)
+    best = torch.cdist(images.flatten(1), flat).argmin(dim=1)
+    distance = (images.flatten(1) - flat[best]).abs().mean(dim=1)
+    source, rest = best // (2 * len(shifts)), best % (2 * len(shifts))
+    return source, rest // len(shifts), rest % len(shifts), distance
+
+
+@pytest.mark.parametrize("crop", ["random_resized", "padded"])
+@pytest.mark.parametrize("kind", LOADERS)
+def test_hflip_false_never_mirrors_a_training_image(kind, crop, train_copy):
+    """Each loader's training images over 3 epochs, built by pipeline.data.train_loader as the trainer
+    builds it, with augment.hflip true and false. The crops are made deterministic but for the flip
+    and the shift: random_resized with min_scale 1 crops the whole (square) image, and padded crops
+    the whole image shifted by up to 4 pixels in a black frame. Each image is then matched to the
+    nearest of every training image, as it is or mirrored, at every shift: it is one of them
+    (exactly for torchvision and DALI; FFCV's second JPEG generation: measured at most 3.4 away,
+    where each image's own mirror is at least 12 away), with its label; with hflip=true about half
+    are mirrored, with hflip=false none.
+
+    torchvision and DALI draw the crops and flips from (seed, epoch, sample): with hflip=false every
+    image that hflip=true left unmirrored comes out bit for bit the same (its crop or shift was
+    drawn the same), and with random_resized each mirrored one comes out as its mirror.
+    FFCV does not seed its flips and shifts (see pipeline/ffcv_loader.py)."""
+    index, sources = train_copy
+    padding = 4 if crop == "padded" else 0
+    source_labels = torch.tensor([label for _, label in index.samples])
+    data = DataConfig(root=str(index.root.parent), loader=kind, image_size=32, min_scale=1.0, train_crop=crop,
+                      crop_padding=padding, batch_size=16, workers=1, drop_last=False, ffcv_write_workers=1)
+    decoded = {}
+    for hflip in (True, False):
+        loader = train_loader(data, index, torch.device("cpu"), seed=5, hflip=hflip, progress=False)
+        batches = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            batches += list(loader)
+        images = torch.cat([images for images, _ in batches]).float()
+        labels = torch.cat([labels for _, labels in batches])
+        assert len(images) == 3 * len(index)
+        source, mirrored, shift, distance = nearest_source(images, sources, padding)
+        assert torch.equal(source_labels[source], labels)
+        assert distance.max() < (6 if kind == "ffcv" else 0.01), distance.max()
+        decoded[hflip] = images, mirrored.bool(), shift
+    images, mirrored, _ = decoded[True]
+    assert 0.3 < mirrored.float().mean() < 0.7  # 144 fair coins: outside this range p < 1e-5
+    never, never_mirrored, _ = decoded[False]
+    assert not never_mirrored.any()
+    if kind == "ffcv":
+        return
+    assert torch.equal(never[~mirrored], images[~mirrored])
+    if crop == "random_resized":
+        assert torch.equal(never[mirrored], images[mirrored].flip(-1))
+
+
+@pytest.mark.parametrize("policy", ["none", "randaugment"])
+@pytest.mark.parametrize("kind", ["torchvision", "dali"])
+def test_hflip_false_keeps_the_random_crops_and_policies_of_hflip_true(kind, policy, train_copy):
+    """With random-resized crops (area 0.35 to 1) and an optional per-image policy, hflip=false gives
+    every image hflip=true gives unmirrored bit for bit (the flip's coin is still drawn, never heads,
+    so the draws after it do not move): about half of them. Without a policy the others are the
+    mirrors of hflip=true's (a policy after the flip does not commute with it)."""
+    index, _ = train_copy
+    data = DataConfig(root=str(index.root.parent), loader=kind, image_size=24, min_scale=0.35, batch_size=16,
+                      workers=1, drop_last=False)
+
+    def epochs(hflip):
+        loader = train_loader(data, index, torch.device("cpu"), seed=11, policy=policy, hflip=hflip, progress=False)
+        batches = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches += list(loader)
+        return torch.cat([images for images, _ in batches])
+
+    flipping, never = epochs(True), epochs(False)
+    same = (flipping == never).flatten(1).all(dim=1)
+    assert 0.25 < same.float().mean() < 0.75, same.float().mean()  # 96 fair coins
+    if policy == "none":
+        assert torch.equal(never[~same], flipping[~same].flip(-1))
+
+
+def test_augment_hflip_reaches_the_training_and_fine_tuning_loaders(tiny_dataset, tmp_path, monkeypatch):
+    """`fastanchor train --set augment.hflip=false` builds its training loader with hflip=False, and
+    `fastanchor finetune-ood` of that checkpoint too (augment.* comes from the checkpoint); the test
+    above shows what each loader does with it."""
+    from fastanchor.trainer import finetune_ood, train
+
+    built = []
+    for module in (train, finetune_ood):
+        def observed(*args, real=module.train_loader, name=module.__name__, **kwargs):
+            built.append((name.rsplit(".", 1)[1], kwargs.get("hflip")))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "train_loader", observed)
+    overrides = tiny_overrides(tiny_dataset, tmp_path, **{"augment.hflip": "false", "train.run_name": "noflip",
+                                                          "eval.corruptions": "[]", "eval.corruptions_bar": "[]"})
+    result = run_main("train", *overrides)
+    assert result.returncode == 0, result.stderr
+    assert "hflip: false" in (tmp_path / "noflip" / "config.yaml").read_text()
+    result = run_main("finetune-ood", "--checkpoint", tmp_path / "noflip" / "final.pt", "--set", "finetune_ood.steps=1",
+                      "--set", "eval.corruptions=[]", "--set", "eval.corruptions_bar=[]")
+    assert result.returncode == 0, result.stderr
+    assert built == [("train", False), ("finetune_ood", False)]

@@ -63,6 +63,7 @@ class DataConfig:
 
 @dataclass
 class AugmentConfig:
+    hflip: bool = _opt(True, "horizontal flip of each training image with probability 1/2, in every loader and crop (true for natural images; false where a mirror changes the image's meaning: digits, text, medical scans); eval.flip_tta is separate and still mirrors at evaluation when set")
     auto_augment: str = _opt("none", "per-image augmentation policy after the crop and flip (torchvision's --auto-augment): autoaugment (ImageNet policy), randaugment, trivialaugment_wide; torchvision loader: torchvision transforms per image, DALI: nvidia.dali.auto_aug on the device, FFCV: refused", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
     augmix: bool = _opt(False, "AugMix (torchvision's v2.AugMix operations and mixing) per image on the device batch, after the loader's policy and before random erasing, for every loader")
     augmix_severity: int = _opt(3, "AugMix severity of its operations (1 to 10)")

@@ -195,7 +195,7 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
     f, d = config.finetune_ood, config.data
     grids = jigsaw_grids(config)
     train_index = split_index(d, d.train_split, tuple(state["classes"]))
-    loader = train_loader(d, train_index, device, f.seed, progress=progress)
+    loader = train_loader(d, train_index, device, f.seed, hflip=config.augment.hflip, progress=progress)
     if len(loader) == 0:
         raise ConfigError(f"data.batch_size = {d.batch_size} is larger than the {len(train_index)} training images "
                           f"with drop_last: expected a smaller batch")

@@ -270,7 +270,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     num_classes = len(train_index.classes)
     shard = {"rank": processes.rank, "world_size": processes.world_size}
     loader = main_first(processes, lambda: train_loader(config.data, train_index, device, t.seed,
-                                                        policy=config.augment.auto_augment, progress=t.progress, **shard))
+                                                        policy=config.augment.auto_augment, hflip=config.augment.hflip,
+                                                        progress=t.progress, **shard))
     val_loader = main_first(processes, lambda: eval_loader(config.data, val_index, device, progress=t.progress, **shard))
     if len(loader) == 0:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is larger than the {len(train_index)} "
