@@ -390,8 +390,7 @@ def chart(result: dict, path: Path) -> None:
             axis.scatter([x] * len(s["values"]), s["values"], color="black", s=10, zorder=3)
         axis.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
         axis.set_ylabel(label)
-        lows = [min(s["values"]) for s in stats]
-        axis.set_ylim(max(0.0, min(lows) - 10), 100)
+        axis.set_ylim(0, 100)
     figure.suptitle(f"fidelity on {result['environment']['device_name']}: mean ± std, dots = seeds (grey: control)", fontsize=9)
     figure.tight_layout()
     atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=110))
