@@ -31,6 +31,7 @@ class ControlSettings:  # the recipe's settings; lr is the peak rate, weight dec
     model: str; num_classes: int; epochs: int; batch_size: int; lr: float; weight_decay: float  # noqa: E702
     optimizer: str = "adamw"; momentum: float = 0.9; nesterov: bool = True; betas: tuple = (0.9, 0.999)  # noqa: E702
     schedule: str = "cosine"; warmup_epochs: float = 1.0; warmup_start: float = 0.0; min_lr_ratio: float = 0.0  # noqa: E702
+    milestones: tuple = (); gamma: float = 0.1  # schedule "step"  # noqa: E702
     anchored: bool = True; alpha: float = 0.0; seed: int = 0; inference_references: int = 256  # noqa: E702
     crop: str = "random_resized"; min_scale: float = 0.35; padding: int = 4; hflip: bool = True  # noqa: E702
     autocast: bool = False  # bf16 autocast (CUDA)
@@ -41,8 +42,8 @@ def lr_factor(epoch: float, s: ControlSettings) -> float:
     if epoch < warmup:
         start = s.warmup_start or 1e-3 / (warmup + 1e-3)
         return start + (1 - start) * epoch / warmup
-    if s.schedule == "constant":
-        return 1.0
+    if s.schedule != "cosine":  # "step" (milestones) or "constant"
+        return s.gamma ** sum(epoch >= m for m in s.milestones) if s.schedule == "step" else 1.0
     progress = min((epoch - warmup) / max(s.epochs - warmup, 1e-12), 1.0)
     return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from conftest import run_main
 from fastanchor.benchmarks import fidelity_control as control
+from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.benchmarks.fidelity import README_BEGIN, README_END
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
 from fastanchor.trainer.schedule import lr_factor
@@ -42,11 +44,14 @@ def test_control_masked_target_is_uniform():
     assert math.isclose(unmasked.item(), -log_p[torch.arange(4), labels].mean().item(), rel_tol=1e-6)
 
 
-def test_control_schedule_is_the_trainers():
-    config = load_config("demo", ["train.epochs=6", "optim.warmup_epochs=1.5"])
-    o = config.optim
-    settings = control.ControlSettings(DEMO_MODEL, 10, 6, 8, o.lr, o.weight_decay, warmup_epochs=o.warmup_epochs)
-    for epoch in [0, 0.25, 1.0, 1.5, 2.0, 3.7, 5.99]:
+@pytest.mark.parametrize("overrides", [["optim.warmup_epochs=1.5"], ["optim.schedule=step", "optim.milestones=[2, 4.5]",
+                                        "optim.warmup_epochs=0.5"], ["optim.schedule=constant", "optim.warmup_start=0.1"]])
+def test_control_schedule_is_the_trainers(overrides):
+    o = load_config("demo", ["train.epochs=6", "optim.min_lr_ratio=0.05", *overrides]).optim
+    settings = control.ControlSettings(DEMO_MODEL, 10, 6, 8, o.lr, o.weight_decay, schedule=o.schedule,
+                                       warmup_epochs=o.warmup_epochs, warmup_start=o.warmup_start, min_lr_ratio=o.min_lr_ratio,
+                                       milestones=tuple(o.milestones), gamma=o.gamma)
+    for epoch in [0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.7, 4.5, 5.99]:
         assert math.isclose(control.lr_factor(epoch, settings), lr_factor(epoch, 6, o), rel_tol=1e-12), epoch
 
 
@@ -81,6 +86,7 @@ def fidelity(tiny_dataset, out, *extra):
 
 
 def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
+    results, tmp_path = tmp_path, tmp_path / "fidelity"  # as benchmarks/results/fidelity
     outcome = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2)
     assert outcome.returncode == 0, outcome.stderr[-3000:]
     result = json.loads((tmp_path / "fidelity-cpu.json").read_text())
@@ -106,6 +112,12 @@ def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
     assert again.returncode == 0 and "4 of 4 runs reused" in again.stdout
     assert {p: p.stat().st_mtime_ns for p in runs} == stamps
     assert json.loads((tmp_path / "fidelity-cpu.json").read_text())["reused_runs"] == 4
+
+    readme = results / "README.md"
+    readme.write_text(f"# x\n\n{bench_readme.BEGIN}\n{bench_readme.END}\n\n{README_BEGIN}\nold\n{README_END}\n")
+    assert run_main("bench", "readme", "--results", results, "--readme", readme).returncode == 0
+    text = readme.read_text()
+    assert "old" not in text and "[fidelity-cpu.json](fidelity/fidelity-cpu.md)" in text and "| control |" in text
 
     changed = fidelity(tiny_dataset, tmp_path, "--arms", "control", "--seeds", 1, "--set", "optim.lr=0.001")
     assert changed.returncode == 0 and "0 of 1 runs reused" in changed.stdout  # a changed setting retrains
