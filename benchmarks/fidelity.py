@@ -137,9 +137,12 @@ def evaluate_arm(make_predict, data: Decoded, *, seed: int, batch_size: int, pos
     """`make_predict(seed)` -> predict(uint8 images) -> logits; a fresh predictor (reference draws
     seeded with `seed`) per set, as `fastanchor evaluate` draws them."""
     sets = [("id", data.val_images), *data.corrupted.items()] + ([("ood", data.ood_images)] if data.ood_images is not None else [])
-    logits = {}
-    for name, images in tqdm(sets, desc=f"evaluate {desc}", disable=not progress, leave=False, unit="set"):
+    logits, started, seen = {}, time.perf_counter(), 0
+    bar = tqdm(sets, desc=f"evaluate {desc}", disable=not progress, leave=False, unit="set")
+    for name, images in bar:
         logits[name] = logits_over(make_predict(seed), images, batch_size)
+        seen += len(images)
+        bar.set_postfix(set=name, img_s=f"{seen / (time.perf_counter() - started):.0f}")
     labels = data.val_labels
 
     def top1(values: torch.Tensor) -> float:
