@@ -3,6 +3,8 @@ benchmark writes every seed's numbers and reuses finished runs, and bad input st
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from conftest import run_main
 from fastanchor.benchmarks import fidelity_control as control
 from fastanchor.benchmarks import readme as bench_readme
-from fastanchor.benchmarks.fidelity import README_BEGIN, README_END
+from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, readme_block
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
 from fastanchor.trainer.schedule import lr_factor
@@ -136,3 +138,11 @@ def test_bench_fidelity_data_without_train_split(tmp_path):
 def test_bench_fidelity_bad_options(tmp_path):
     outcome = run_main("bench", "fidelity", "--arms", "standard,nonsense", "--out", tmp_path)
     assert outcome.returncode == 2 and "--arms" in outcome.stderr.strip().splitlines()[-1]
+
+
+def test_committed_readme_fidelity_block_matches_committed_results():
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "README.md").read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    expected = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
+    assert text[start:end] == expected, "README's fidelity block is stale: run `fastanchor bench readme`"
