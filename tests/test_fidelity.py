@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from conftest import run_main
 from fastanchor.benchmarks import fidelity_control as control
 from fastanchor.benchmarks import readme as bench_readme
-from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, readme_block
+from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, config_knows, control_settings, readme_block, trainer_config
+from fastanchor.benchmarks.options import FidelityOptions
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
 from fastanchor.trainer.schedule import lr_factor
@@ -146,3 +147,20 @@ def test_committed_readme_fidelity_block_matches_committed_results():
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     expected = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
     assert text[start:end] == expected, "README's fidelity block is stale: run `fastanchor bench readme`"
+
+
+def test_arms_settings_from_the_recipe():
+    base = load_config("demo", ["anchor.alpha=0.3"])
+    options = FidelityOptions(masked_batchnorm="skip")
+    standard, vanilla, masking = (trainer_config(base, arm, 3, options) for arm in ("standard", "vanilla", "masking"))
+    assert not standard.anchor.enabled and vanilla.anchor.enabled and masking.anchor.enabled
+    assert vanilla.anchor.alpha == 0 and masking.anchor.alpha == 0.3 and masking.train.seed == 3
+    if config_knows(base, "anchor.masked_batchnorm"):  # the key exists once the BatchNorm fix is in the config
+        assert {c.anchor.masked_batchnorm for c in (standard, vanilla, masking)} == {"skip"}
+    cpu = torch.device("cpu")
+    settings = {arm: control_settings(base, arm, 3, 10, cpu) for arm in ("control-standard", "control-vanilla", "control")}
+    assert not settings["control-standard"].anchored and settings["control-vanilla"].alpha == 0
+    assert settings["control"].alpha == 0.3 and settings["control"].seed == 3 and settings["control"].hflip
+    s, o = settings["control"], base.optim
+    assert (s.model, s.epochs, s.batch_size, s.lr, s.weight_decay, s.optimizer, s.min_scale) == \
+        (base.model.name, base.train.epochs, base.data.batch_size, o.lr, o.weight_decay, o.name, base.data.min_scale)
