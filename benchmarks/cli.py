@@ -24,6 +24,8 @@ BENCHMARKS = {
              "images/s of standard vs anchored training steps on synthetic on-device batches"),
     "e2e": (opts.EndToEndOptions, "end_to_end:run_end_to_end_benchmark",
             "loader + op + step, standard vs anchored vs the naive second-loader design"),
+    "fidelity": (opts.FidelityOptions, "fidelity:run_fidelity_benchmark",
+                 "accuracy, calibration, corruption and OOD metrics of the trainer's arms against a plain-torch control"),
 }
 
 
@@ -34,6 +36,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         if hints[f.name] is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
+        elif hints[f.name] is list:  # repeatable, e.g. --set KEY=VALUE --set KEY=VALUE
+            parser.add_argument(flag, dest=f.name, action="append", default=None, metavar="KEY=VALUE",
+                                help=f.metadata["help"])
         else:
             shown = f.default if f.default != "" else "''"
             parser.add_argument(flag, dest=f.name, type=hints[f.name], default=f.default, metavar=f.name.upper(),
@@ -41,11 +46,12 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def options_from(cls: type, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in values.items() if value is not None})  # None: an unrepeated list
 
 
 def add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="throughput benchmarks (result files under benchmarks/results/)",
+    bench = commands.add_parser("bench", help="throughput and fidelity benchmarks (result files under benchmarks/results/)",
                                 description=__doc__.split("\n\n")[0])
     which = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     for name, (cls, _, help_text) in BENCHMARKS.items():

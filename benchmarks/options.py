@@ -205,3 +205,44 @@ class EndToEndOptions(ImageDataOptions, TrainingOptions):
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2"),
             ("alpha", 0 <= self.alpha <= 1, "a probability in [0, 1]"),
         ]
+
+
+ARM_NAMES = ("standard", "vanilla", "masking", "control-standard", "control-vanilla", "control")
+
+
+@dataclass
+class FidelityOptions:
+    """Standard, vanilla-anchored and masked training through the trainer and through a plain-torch control."""
+
+    config: str = option("demo", "recipe (a name under configs/ or a YAML file): data, model, augmentation and schedule of every arm")
+    data: str = option("", "ImageFolder root with train/ and val/ (and optionally ood/); default: the recipe's data "
+                           "(the embedded dataset is generated if missing)")
+    arms: str = option(",".join(ARM_NAMES), "comma-separated arms: " + ", ".join(ARM_NAMES))
+    seeds: int = option(3, "seeds per arm (0 to N-1)")
+    epochs: int = option(0, "training epochs of every arm (0: the recipe's train.epochs)")
+    severities: str = option("", "comma-separated corruption severities 1-5 (default: the recipe's eval.severities)")
+    masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms, where the config has the key "
+                                             "(update: the paper's plain BatchNorm, like the control)", choices=("update", "skip"))
+    set: list = option([], "KEY=VALUE recipe override for every arm, repeatable (the control follows those it has a setting for)")
+    keep_checkpoints: bool = option(False, "keep the trainer arms' checkpoints (default: deleted once evaluated)")
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
+    out: str = option("benchmarks/results/fidelity", "directory of the result files (<out>[/<tag>]/fidelity-<device>.{json,md,png} and runs/)")
+    tag: str = option("", "sub-directory of --out for this configuration")
+    progress: bool = option(True, "progress bars with images/s")
+
+    def validate(self) -> None:
+        unknown = [arm for arm in names_list(self.arms) if arm not in ARM_NAMES]
+        severities = names_list(self.severities)
+        checks = [
+            ("arms", bool(names_list(self.arms)) and not unknown, f"names from {', '.join(ARM_NAMES)}"),
+            ("seeds", self.seeds >= 1, "at least 1"),
+            ("epochs", self.epochs >= 0, "0 (the recipe's) or a positive count"),
+            ("severities", all(s.isdigit() and 1 <= int(s) <= 5 for s in severities), "comma-separated integers 1 to 5"),
+            ("masked_batchnorm", self.masked_batchnorm in ("update", "skip"), "update or skip"),
+            ("threads", self.threads >= 0, "0 (torch's default) or a positive number of threads"),
+            ("tag", all(c.isalnum() or c in "-_." for c in self.tag), "letters, digits, '-', '_' or '.' only"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} = {getattr(self, name)!r}: expected {expected}")

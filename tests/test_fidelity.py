@@ -1,0 +1,166 @@
+"""The fidelity benchmark at a tiny size: the control computes the paper's Figure 3 exactly, the
+benchmark writes every seed's numbers and reuses finished runs, and bad input stops in one line."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_main
+from fastanchor.benchmarks import fidelity_control as control
+from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, config_knows, control_settings, readme_block, trainer_config
+from fastanchor.benchmarks.options import FidelityOptions
+from fastanchor.trainer.config import load_config
+from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
+from fastanchor.trainer.schedule import lr_factor
+
+MEAN = torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64).view(1, 3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64).view(1, 3, 1, 1)
+
+
+@pytest.mark.parametrize("alpha, masked", [(0.0, False), (1.0, True)])
+def test_control_builds_the_papers_anchored_input(alpha, masked):
+    images = torch.randint(0, 256, (5, 3, 2, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    inputs, was_masked = control.anchored_input(images, torch.Generator().manual_seed(7), alpha)
+    shuffle = torch.randperm(5, generator=torch.Generator().manual_seed(7))  # the control's first draw
+    x = (images.double() / 255 - MEAN) / STD  # the definitions, in float64
+    r = x[shuffle]
+    expected = torch.cat([torch.zeros_like(r) if masked else r, x - r], 1)  # [0, x - r], not [0, x], when masked
+    assert was_masked is masked and inputs.shape == (5, 6, 2, 3)
+    torch.testing.assert_close(inputs.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_control_masked_target_is_uniform():
+    logits = torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).float().requires_grad_()
+    labels = torch.tensor([0, 3, 6, 2])
+    loss = control.loss_of(logits, labels, masked=True)
+    log_p = torch.log_softmax(logits.detach().double(), -1)
+    assert math.isclose(loss.item(), -log_p.mean().item(), rel_tol=1e-6)  # -mean(log_softmax): CE against 1/C
+    loss.backward()  # d/dz of CE(U, softmax(z)) = (softmax(z) - 1/C) / B
+    torch.testing.assert_close(logits.grad.double(), (log_p.exp() - 1 / 7) / 4, rtol=0, atol=1e-6)
+    unmasked = control.loss_of(logits.detach(), labels, masked=False)
+    assert math.isclose(unmasked.item(), -log_p[torch.arange(4), labels].mean().item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [["optim.warmup_epochs=1.5"], ["optim.schedule=step", "optim.milestones=[2, 4.5]",
+                                        "optim.warmup_epochs=0.5"], ["optim.schedule=constant", "optim.warmup_start=0.1"]])
+def test_control_schedule_is_the_trainers(overrides):
+    o = load_config("demo", ["train.epochs=6", "optim.min_lr_ratio=0.05", *overrides]).optim
+    settings = control.ControlSettings(DEMO_MODEL, 10, 6, 8, o.lr, o.weight_decay, schedule=o.schedule,
+                                       warmup_epochs=o.warmup_epochs, warmup_start=o.warmup_start, min_lr_ratio=o.min_lr_ratio,
+                                       milestones=tuple(o.milestones), gamma=o.gamma)
+    for epoch in [0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.7, 4.5, 5.99]:
+        assert math.isclose(control.lr_factor(epoch, settings), lr_factor(epoch, 6, o), rel_tol=1e-12), epoch
+
+
+def test_control_trains_a_fresh_six_channel_layer_with_plain_batchnorm():
+    images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(8) % 2
+    settings = control.ControlSettings(DEMO_MODEL, 2, 1, 4, 1e-3, 0.05, alpha=0.5, min_scale=0.5, inference_references=3)
+    model, make_predict = control.train_control(images, labels, settings, progress=False)
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert first.in_channels == 6 and not torch.equal(first.weight[:, :3], first.weight[:, 3:])  # not [W, W]
+    assert all(type(m) is torch.nn.BatchNorm2d for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+    logits = make_predict(0)(images[:5])
+    assert logits.shape == (5, 2) and torch.isfinite(logits).all()
+    torch.testing.assert_close(make_predict(0)(images[:5]), logits)  # the same seed, the same references
+
+
+def test_control_crop_and_flip_keep_shape_and_pixels():
+    images = torch.randint(0, 256, (6, 3, 12, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    settings = control.ControlSettings(DEMO_MODEL, 2, 1, 4, 1e-3, 0.0, crop="padded", padding=2)
+    padded = control.augment(images, settings, torch.Generator().manual_seed(3))
+    assert padded.shape == images.shape and padded.dtype == torch.uint8
+    settings = control.ControlSettings(DEMO_MODEL, 2, 1, 4, 1e-3, 0.0, min_scale=1.0, hflip=False)
+    box = control.crop_box(12, 10, settings, torch.Generator().manual_seed(3))
+    assert box[2] * box[3] <= 120 and box[2] * box[3] >= 0.8 * 120  # area scale 1, aspect 3/4-4/3, rounded
+
+
+def fidelity(tiny_dataset, out, *extra):
+    return run_main("bench", "fidelity", "--data", tiny_dataset, "--out", out, "--epochs", 1, "--severities", 5,
+                    "--set", "data.batch_size=16", "--set", "data.eval_batch_size=32", "--set", "data.workers=0",
+                    "--set", "anchor.inference_references=8", "--set", "eval.corruptions=[gaussian_noise]",
+                    "--threads", 2, "--no-progress", *extra)
+
+
+def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
+    results, tmp_path = tmp_path, tmp_path / "fidelity"  # as benchmarks/results/fidelity
+    outcome = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2)
+    assert outcome.returncode == 0, outcome.stderr[-3000:]
+    result = json.loads((tmp_path / "fidelity-cpu.json").read_text())
+    assert result["schema"] == "fastanchor-fidelity-v1" and result["command"].startswith("fastanchor bench fidelity --data")
+    assert result["environment"]["libraries"]["torch"] and "git_commit" in result and result["epochs"] == 1
+    assert sorted((r["arm"], r["seed"]) for r in result["runs"]) == [("control", 0), ("control", 1), ("vanilla", 0), ("vanilla", 1)]
+    for run in result["runs"]:
+        m = run["metrics"]
+        assert 0 <= m["id_top1"] <= 100 and 0 <= m["smece"] <= 1 and m["train_seconds"] > 0
+        assert set(m["corruptions"]) == {"gaussian_noise@5"} and m["highest_severity"] == 5
+        assert 0 <= m["ood_energy_auroc"] <= 100 and 0 <= m["ood_energy_fpr95"] <= 100  # the tiny data has ood/
+    for arm in ("vanilla", "control"):
+        assert len(result["summary"][arm]["id_top1"]["values"]) == 2
+    assert result["fidelity"] == [] and result["reused_runs"] == 0
+    table = (tmp_path / "fidelity-cpu.md").read_text()
+    assert "| vanilla |" in table and "| control |" in table and "severity 5 mean" in table
+    assert (tmp_path / "fidelity-cpu.png").read_bytes()[:4] == b"\x89PNG"
+    runs = sorted((tmp_path / "runs").glob("*.json"))
+    assert len(runs) == 4 and not list(tmp_path.rglob("*.pt"))  # checkpoints deleted once evaluated
+    stamps = {p: p.stat().st_mtime_ns for p in runs}
+
+    again = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2)
+    assert again.returncode == 0 and "4 of 4 runs reused" in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in runs} == stamps
+    assert json.loads((tmp_path / "fidelity-cpu.json").read_text())["reused_runs"] == 4
+
+    readme = results / "README.md"
+    readme.write_text(f"# x\n\n{bench_readme.BEGIN}\n{bench_readme.END}\n\n{README_BEGIN}\nold\n{README_END}\n")
+    assert run_main("bench", "readme", "--results", results, "--readme", readme).returncode == 0
+    text = readme.read_text()
+    assert "old" not in text and "[fidelity-cpu.json](fidelity/fidelity-cpu.md)" in text and "| control |" in text
+
+    changed = fidelity(tiny_dataset, tmp_path, "--arms", "control", "--seeds", 1, "--set", "optim.lr=0.001")
+    assert changed.returncode == 0 and "0 of 1 runs reused" in changed.stdout  # a changed setting retrains
+    assert len(list((tmp_path / "runs").glob("control-seed0-*.json"))) == 2
+
+
+def test_bench_fidelity_data_without_train_split(tmp_path):
+    (tmp_path / "val" / "a").mkdir(parents=True)
+    outcome = run_main("bench", "fidelity", "--data", tmp_path, "--out", tmp_path / "out", "--no-progress")
+    lines = [line for line in outcome.stderr.splitlines() if line.strip()]
+    assert outcome.returncode == 2 and len(lines) == 1 and "Traceback" not in outcome.stderr
+    assert lines[0].startswith("fastanchor: error: --data") and "no 'train/' folder" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_fidelity_bad_options(tmp_path):
+    outcome = run_main("bench", "fidelity", "--arms", "standard,nonsense", "--out", tmp_path)
+    assert outcome.returncode == 2 and "--arms" in outcome.stderr.strip().splitlines()[-1]
+
+
+def test_committed_readme_fidelity_block_matches_committed_results():
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "README.md").read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    expected = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
+    assert text[start:end] == expected, "README's fidelity block is stale: run `fastanchor bench readme`"
+
+
+def test_arms_settings_from_the_recipe():
+    base = load_config("demo", ["anchor.alpha=0.3"])
+    options = FidelityOptions(masked_batchnorm="skip")
+    standard, vanilla, masking = (trainer_config(base, arm, 3, options) for arm in ("standard", "vanilla", "masking"))
+    assert not standard.anchor.enabled and vanilla.anchor.enabled and masking.anchor.enabled
+    assert vanilla.anchor.alpha == 0 and masking.anchor.alpha == 0.3 and masking.train.seed == 3
+    if config_knows(base, "anchor.masked_batchnorm"):  # the key exists once the BatchNorm fix is in the config
+        assert {c.anchor.masked_batchnorm for c in (standard, vanilla, masking)} == {"skip"}
+    cpu = torch.device("cpu")
+    settings = {arm: control_settings(base, arm, 3, 10, cpu) for arm in ("control-standard", "control-vanilla", "control")}
+    assert not settings["control-standard"].anchored and settings["control-vanilla"].alpha == 0
+    assert settings["control"].alpha == 0.3 and settings["control"].seed == 3 and settings["control"].hflip
+    s, o = settings["control"], base.optim
+    assert (s.model, s.epochs, s.batch_size, s.lr, s.weight_decay, s.optimizer, s.min_scale) == \
+        (base.model.name, base.train.epochs, base.data.batch_size, o.lr, o.weight_decay, o.name, base.data.min_scale)
