@@ -275,3 +275,30 @@ def test_demo_model_trains(anchored, channels_last):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[1] < losses[0]  # the first step already helps on this batch
     assert final < 0.8 * losses[0], (losses, final)
+
+
+def test_fresh_first_layer_is_a_new_six_channel_init_not_two_copies():
+    import math
+
+    torch.manual_seed(0)
+    duplicate = create_model("fastanchor_resnet_tiny", 4, anchored=True)
+    fresh = create_model("fastanchor_resnet_tiny", 4, anchored=True, first_layer="fresh")
+    path = duplicate.fastanchor_first_layer
+    w_dup, w_fresh = duplicate.get_submodule(path).weight, fresh.get_submodule(path).weight
+    assert w_dup.shape == w_fresh.shape and w_fresh.shape[1] == 6
+    assert torch.equal(w_dup[:, :3], w_dup[:, 3:])  # [W, W]
+    assert not torch.allclose(w_fresh[:, :3], w_fresh[:, 3:])
+    fan_in = w_fresh[0].numel()  # kaiming-uniform bound of nn.Conv2d's default init over all 6 channels
+    assert w_fresh.abs().max() <= 1 / math.sqrt(fan_in) + 1e-6
+    with pytest.raises(ModelError, match="first-layer init"):
+        create_model("fastanchor_resnet_tiny", 4, anchored=True, first_layer="zeros")
+
+
+def test_fresh_first_layer_with_pretrained_weights_is_refused():
+    from fastanchor.trainer.config import Config, set_value, validate
+
+    config = Config()
+    set_value(config, "anchor.first_layer", "fresh")
+    set_value(config, "model.pretrained", True)
+    with pytest.raises(ConfigError, match="first_layer = 'fresh'"):
+        validate(config)

@@ -25,7 +25,8 @@ def build_model(config: Config, num_classes: int, device: torch.device, *, pretr
     m = config.model
     model = create_model(m.name, num_classes, anchored=config.anchor.enabled,
                          pretrained=m.pretrained if pretrained is None else pretrained,
-                         image_size=config.data.image_size, drop_rate=m.drop_rate, blurpool=m.blurpool)
+                         image_size=config.data.image_size, drop_rate=m.drop_rate, blurpool=m.blurpool,
+                         first_layer=config.anchor.first_layer)
     model = model.to(device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)

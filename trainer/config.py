@@ -98,6 +98,7 @@ class AnchorConfig:
     enabled: bool = _opt(True, "anchored training (input [r, x - r], 6 channels); false trains the standard model with the same trainer")
     alpha: float = _opt(0.2, "reference-masking probability: input [0, x - r] with a uniform target")
     mask_level: str = _opt("batch", "mask whole batches (the paper) or single samples", choices=("batch", "sample"))
+    first_layer: str = _opt("duplicate", "init of the 6-channel first layer: duplicate the 3-channel weights [W, W] (exact for pretrained weights) or fresh (the authors' code, random init only)", choices=("duplicate", "fresh"))
     masked_batchnorm: str = _opt("skip", "BatchNorm running statistics: skip masked samples (kept those of unmasked inputs) or update from them too (the paper's plain BatchNorm)", choices=("skip", "update"))
     masked_target: str = _opt("uniform", "target of masked samples: uniform (the paper) or label (the authors' released code)", choices=("uniform", "label"))
     references: str = _opt("derangement", "training reference source: in-batch derangement, a bank of recent samples, or a fixed set", choices=("derangement", "bank", "fixed"))
@@ -396,6 +397,8 @@ def validate(config: Config) -> None:
             _check(not choices or value in choices, f"{section}.{name} = {value!r}: expected one of {', '.join(choices or ())}")
     d, a, o, t, e, g = config.data, config.anchor, config.optim, config.train, config.eval, config.augment
     _check(0.0 <= a.alpha <= 1.0, f"anchor.alpha = {a.alpha}: expected a probability in [0, 1]")
+    _check(not (a.first_layer == "fresh" and config.model.pretrained),
+           "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
     _check(a.bank_size >= 1, f"anchor.bank_size = {a.bank_size}: expected >= 1")
     _check(a.fixed_size >= 1, f"anchor.fixed_size = {a.fixed_size}: expected >= 1")
     _check(a.inference_references >= 1, f"anchor.inference_references = {a.inference_references}: expected >= 1")

@@ -85,7 +85,8 @@ def check_blurpool(name: str) -> None:
 
 
 def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: bool = False,
-                 image_size: int | None = None, blurpool: bool = False, **kwargs) -> nn.Module:
+                 image_size: int | None = None, blurpool: bool = False, first_layer: str = "duplicate",
+                 **kwargs) -> nn.Module:
     """Build model `name` with `num_classes` outputs; widen its first layer to 6 channels if `anchored`.
 
     `name` is a timm model, or ``torchvision/<name>`` for a torchvision classification model.
@@ -94,7 +95,8 @@ def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: boo
     the timm factory; for torchvision models ``drop_rate`` becomes ``dropout`` where supported.
     `blurpool` builds a timm ResNet with BlurPool anti-aliasing (timm's ``aa_layer``: the strided 3x3
     convolutions of the blocks become stride 1 followed by a blurred stride-2 subsampling, and the stem's
-    max-pool likewise). The dotted name of the first layer is left in ``model.fastanchor_first_layer``.
+    max-pool likewise). `first_layer` is the anchored first layer's init (see `widen_first_layer`).
+    The dotted name of the first layer is left in ``model.fastanchor_first_layer``.
     """
     check_model_name(name)
     if blurpool:
@@ -107,7 +109,7 @@ def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: boo
     else:
         model = _create_timm(name, num_classes, pretrained=pretrained, image_size=image_size, **kwargs)
     if anchored:
-        widen_first_layer(model)
+        widen_first_layer(model, init=first_layer)
     else:
         model.fastanchor_first_layer = ",".join(path for path, _ in find_first_layers(model))
     return model
@@ -255,14 +257,18 @@ def find_first_layer(model: nn.Module) -> tuple[str, nn.Conv2d]:
     return find_first_layers(model)[0]
 
 
-def widen_first_layer(model: nn.Module, in_chans: int = 6) -> nn.Module:
+def widen_first_layer(model: nn.Module, in_chans: int = 6, init: str = "duplicate") -> nn.Module:
     """Widen the first layer in place from 3 to `in_chans` input channels (a multiple of 3), and return `model`.
 
-    The new weight repeats the 3-channel weight ``W`` along the input-channel axis
-    (``cat([W, W], dim=1)`` for 6), so ``model(cat([r, x - r]))`` equals the original ``model(x)``.
+    ``init="duplicate"``: the new weight repeats the 3-channel weight ``W`` along the input-channel axis
+    (``cat([W, W], dim=1)`` for 6), so ``model(cat([r, x - r]))`` equals the original ``model(x)``: right
+    for pretrained weights. ``init="fresh"``: the widened layer's own ``reset_parameters()`` (fan-in over
+    all `in_chans` channels), as the authors' code builds a new 6-channel layer for random initialisation.
     The new layer is a copy of the old one (same class, so timm's StdConv2d / Conv2dSame keep their
     behaviour) with only the weight and ``in_channels`` changed, set back on its parent module.
     """
+    if init not in ("duplicate", "fresh"):
+        raise ModelError(f"first-layer init {init!r}: expected 'duplicate' or 'fresh'")
     if not isinstance(in_chans, int) or in_chans < 6 or in_chans % 3:
         raise ModelError(f"in_chans = {in_chans!r}: expected a multiple of 3 from 6 up (6 for anchoring)")
     layers = find_first_layers(model)
@@ -283,6 +289,8 @@ def widen_first_layer(model: nn.Module, in_chans: int = 6) -> nn.Module:
         weight = conv.weight.detach().repeat(1, in_chans // 3, 1, 1)
         wide.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
         wide.in_channels = in_chans
+        if init == "fresh":
+            wide.reset_parameters()
         _set_submodule(model, path, wide)
         parent_path = path.rpartition(".")[0]
         parent = model.get_submodule(parent_path) if parent_path else model
