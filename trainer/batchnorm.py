@@ -54,11 +54,10 @@ class UnmaskedRunningStats:
         self.level = level
         self._masked: torch.Tensor | None = None
         self._saved: dict[int, list[torch.Tensor]] = {}
-        self._hooks = []
         if level == "sample":
             for layer in self.layers:
-                self._hooks.append(layer.register_forward_pre_hook(self._before))
-                self._hooks.append(layer.register_forward_hook(self._after))
+                layer.register_forward_pre_hook(self._before)
+                layer.register_forward_hook(self._after)
 
     @contextlib.contextmanager
     def forward(self, masked: torch.Tensor) -> Iterator[None]:
@@ -109,11 +108,6 @@ class UnmaskedRunningStats:
         layer.running_mean.data.copy_(torch.where(any_kept, torch.lerp(old_mean, mean.to(old_mean.dtype), factor), old_mean))
         layer.running_var.data.copy_(torch.where(any_kept, torch.lerp(old_var, var.to(old_var.dtype), factor), old_var))
         layer.num_batches_tracked.data.copy_(count)
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 @torch.no_grad()
