@@ -155,13 +155,15 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> str:
     block = render_block(load_results(Path(results_dir)), readme.parent.resolve())
     new = text[:start] + block + text[end + len(END):]
     if FIDELITY_MARKER in new:  # the fidelity benchmark's block, where the README has one
-        from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, readme_block
+        from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, readme_block, write_results_readme
 
         start, end = new.find(README_BEGIN), new.find(README_END)
         if start < 0 or end < start:
             raise DataError(f"'{readme}' has a broken fidelity block: expected the lines '{README_BEGIN}' and '{README_END}'")
         fidelity = readme_block(Path(results_dir), lambda path: _link(path, readme.parent.resolve()))
         new = new[:start] + fidelity + new[end + len(README_END):]
+        if (Path(results_dir) / "fidelity").is_dir():
+            write_results_readme(Path(results_dir))
     if new != text:
         atomic_write_bytes(readme, lambda handle: handle.write(new.encode()))
     return block
