@@ -113,7 +113,7 @@ def decode_data(config: Config, progress: bool) -> Decoded:
     corrupted = {}
     for name in e.corruptions:
         for severity in e.severities:
-            dataset = DecodedImages(val_index, transform, Corruption(name, severity, e.seed))
+            dataset = DecodedImages(val_index, transform, Corruption(name, severity, e.seed, e.corruption_parameters))
             corrupted[f"{name}@{severity}"] = decode(dataset, f"corrupt {name}@{severity}", progress)[0]
     ood_root = Path(d.root) / d.ood_split if d.ood_split else None
     ood_index = scan_image_folder(ood_root) if ood_root is not None and ood_root.is_dir() else None

@@ -1,11 +1,13 @@
 """Corruptions applied on the fly, seeded: ImageNet-C's 19 (the `imagecorruptions` package, which uses
-numpy's global RNG) and ImageNet-C-bar's 10 (pipeline/corruptions_bar.py)."""
+numpy's global RNG), 9 of them at CIFAR-10-C's 32 px parameters (pipeline/corruptions_small.py) and
+ImageNet-C-bar's 10 (pipeline/corruptions_bar.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_CORRUPTIONS, corrupt_bar
+from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS, corrupt_small
 from fastanchor.trainer.errors import ConfigError
 
 IMAGENET_C_CORRUPTIONS = (
@@ -13,6 +15,8 @@ IMAGENET_C_CORRUPTIONS = (
     "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
     "jpeg_compression", "speckle_noise", "gaussian_blur", "spatter", "saturate",
 )
+# The parameter sets of eval.corruption_parameters, and the corruptions each one knows.
+CORRUPTIONS = {"imagenet-c": IMAGENET_C_CORRUPTIONS, "cifar-10-c": CIFAR_C_CORRUPTIONS}
 
 
 def check_corruption_names(names, known=IMAGENET_C_CORRUPTIONS, what: str = "corruption") -> None:
@@ -21,14 +25,17 @@ def check_corruption_names(names, known=IMAGENET_C_CORRUPTIONS, what: str = "cor
             raise ConfigError(f"unknown {what} {name!r}: expected one of {', '.join(known)}")
 
 
-def corrupt_image(image: np.ndarray, name: str, severity: int, seed: int) -> np.ndarray:
+def corrupt_image(image: np.ndarray, name: str, severity: int, seed: int, parameters: str = "imagenet-c") -> np.ndarray:
     """Corrupt one uint8 HWC RGB image; the same (image, name, severity, seed) gives the same bytes.
 
-    `name` is an ImageNet-C or an ImageNet-C-bar corruption. For ImageNet-C, numpy's global RNG is
-    seeded for the call and restored afterwards, so the caller's stream is left untouched.
+    `name` is an ImageNet-C or an ImageNet-C-bar corruption; `parameters` "cifar-10-c" applies an
+    ImageNet-C corruption at CIFAR-10-C's strengths. For ImageNet-C, numpy's global RNG is seeded for
+    the call and restored afterwards, so the caller's stream is left untouched.
     """
     if name in IMAGENET_C_BAR_CORRUPTIONS:
         return corrupt_bar(np.ascontiguousarray(image), name, severity, seed)
+    if parameters == "cifar-10-c":
+        return corrupt_small(np.ascontiguousarray(image), name, severity, seed)
     from imagecorruptions import corrupt
 
     state = np.random.get_state()

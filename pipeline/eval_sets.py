@@ -200,8 +200,9 @@ def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, 
     transform = eval_transform(d.image_size, d.crop_ratio)
     on_the_fly = f"on the fly from {val_index.root}"
     sets = [EvalSet(f"{name}@{severity}", "corruption", benchmark, on_the_fly,
-                    DecodedImages(val_index, transform, Corruption(name, severity, e.seed)), name, severity)
-            for names, benchmark in ((e.corruptions, "imagenet-c"), (e.corruptions_bar, "imagenet-c-bar"))
+                    DecodedImages(val_index, transform, Corruption(name, severity, e.seed, parameters)), name, severity)
+            for names, benchmark, parameters in ((e.corruptions, e.corruption_parameters, e.corruption_parameters),
+                                                 (e.corruptions_bar, "imagenet-c-bar", "imagenet-c"))
             for name in names for severity in e.severities]
     if e.c_root:
         sets += corruption_tree_sets(Path(e.c_root), "eval.c_root", "imagenet-c-files", e.severities, classes, transform)

@@ -26,6 +26,7 @@ class Corruption:
     name: str
     severity: int
     seed: int = 0
+    parameters: str = "imagenet-c"  # or "cifar-10-c": the same corruption at CIFAR-10-C's strengths
 
 
 AUTO_AUGMENT_POLICIES = {
@@ -90,7 +91,7 @@ class DecodedImages(Dataset):
             c = self.corruption
             hwc = image.permute(1, 2, 0).numpy()
             seed = int(np.random.SeedSequence([c.seed, c.severity, i, *c.name.encode()]).generate_state(1)[0])
-            image = torch.from_numpy(corrupt_image(hwc, c.name, c.severity, seed)).permute(2, 0, 1).contiguous()
+            image = torch.from_numpy(corrupt_image(hwc, c.name, c.severity, seed, c.parameters)).permute(2, 0, 1).contiguous()
         return image, label
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -125,16 +124,15 @@ def test_class_names():
     assert all(re.fullmatch(r"[a-z_]+", name) for name in IN_DISTRIBUTION_CLASSES + OOD_CLASSES)
 
 
-def test_every_shape_fits_at_the_largest_area():
-    """The area-matched scale never has to be clipped to keep a shape inside the image (a clip
-    would make the filled area, hence the colour statistics, depend on the class)."""
+def test_every_shape_fits_at_the_largest_extent():
+    """Every shape lies in the unit disc around its centre of rotation, and the largest disc stays
+    MARGIN_FRACTION inside the image: no shape is ever clipped, whatever its rotation."""
     rng = np.random.default_rng(0)
-    limit = 0.5 - embedded.MARGIN_FRACTION
+    assert embedded.EXTENT_FRACTION[1] <= 0.5 - embedded.MARGIN_FRACTION
     for name in IN_DISTRIBUTION_CLASSES + OOD_CLASSES:
         for _ in range(200):
-            polys, _, area = embedded._unit_shape(name, rng)
-            assert np.linalg.norm(np.concatenate(polys), axis=1).max() <= 1 + 1e-9
-            assert math.sqrt(embedded.AREA_FRACTION[1] / area) <= limit, name
+            polys, _ = embedded._unit_shape(name, rng)
+            assert np.linalg.norm(np.concatenate(polys), axis=1).max() == pytest.approx(1.0), name
 
 
 # ---------------------------------------------------------------------------------- validate

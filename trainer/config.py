@@ -154,6 +154,7 @@ class TrainConfig:
 class EvalConfig:
     corruptions: list = _opt(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
     corruptions_bar: list = _opt(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split (our implementation of the published definitions)")
+    corruption_parameters: str = _opt("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
     severities: list = _opt([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = _opt(5, "K references per test sample for the mean prediction and the std score (anchored models)")
     seed: int = _opt(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
@@ -478,10 +479,10 @@ def validate(config: Config) -> None:
     _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
     _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
     _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
-    from fastanchor.pipeline.corruptions import IMAGENET_C_BAR_CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.corruptions import CORRUPTIONS, IMAGENET_C_BAR_CORRUPTIONS, check_corruption_names
     from fastanchor.pipeline.eval_sets import check_named_paths
 
-    check_corruption_names(e.corruptions)
+    check_corruption_names(e.corruptions, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
     check_corruption_names(e.corruptions_bar, IMAGENET_C_BAR_CORRUPTIONS, "ImageNet-C-bar corruption")
     check_named_paths(e.datasets, "eval.datasets")
     check_named_paths(e.ood_sets, "eval.ood_sets")

@@ -1,0 +1,81 @@
+"""CIFAR-10-C-strength corruptions (pipeline/corruptions_small.py) against independent references:
+imagecorruptions where a CIFAR-10-C parameter equals an ImageNet-C one, and hand-worked values."""
+
+import numpy as np
+import pytest
+
+from fastanchor.pipeline.corruptions import corrupt_image
+from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS, _disc_kernel, corrupt_small
+from fastanchor.trainer.config import Config, validate
+from fastanchor.trainer.errors import ConfigError
+
+
+def _image(seed=0, size=32):
+    return np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+
+
+def test_contrast_matches_imagecorruptions_at_the_shared_parameter():
+    # CIFAR-10-C's contrast at severity 3 keeps 0.4 of the deviation, as ImageNet-C's at severity 1.
+    imagecorruptions = pytest.importorskip("imagecorruptions", reason="the 'eval' extra (imagecorruptions) is not installed")
+    image = _image()
+    reference = np.asarray(imagecorruptions.corrupt(image, corruption_name="contrast", severity=1), dtype=np.float64)
+    ours = corrupt_small(image, "contrast", 3, seed=0).astype(np.float64)
+    assert np.abs(ours - reference).max() <= 1.0  # rounding vs truncation to uint8
+
+
+def test_contrast_is_the_float64_formula():
+    image = _image(1)
+    x = image / 255.0
+    mean = x.mean(axis=(0, 1), keepdims=True)
+    expected = np.rint(np.clip((x - mean) * 0.15 + mean, 0, 1) * 255)
+    assert np.array_equal(corrupt_small(image, "contrast", 5, seed=3), expected.astype(np.uint8))
+
+
+def test_defocus_kernel_at_the_smallest_radius_is_the_3x3_gaussian():
+    # Radius 0.3 keeps only the centre pixel of the disc; the 3x3 Gaussian of sigma 0.4 spreads it.
+    kernel = _disc_kernel(0.3, 0.4)
+    w = np.array([np.exp(-1 / (2 * 0.4 ** 2)), 1.0, np.exp(-1 / (2 * 0.4 ** 2))])
+    w /= w.sum()
+    expected = np.zeros((17, 17))
+    expected[7:10, 7:10] = np.outer(w, w)
+    assert np.allclose(kernel, expected, atol=1e-12)
+    assert _disc_kernel(1.5, 0.1).sum() == pytest.approx(1.0)
+    assert (_disc_kernel(1.5, 0.1) > 1e-3).sum() == 9  # the disc of radius 1.5: the 3 x 3 block
+
+
+def test_noise_strengths_are_cifar_c_s():
+    flat = np.full((64, 64, 3), 128, dtype=np.uint8)
+    for severity, std in zip(range(1, 6), (0.04, 0.06, 0.08, 0.09, 0.10)):
+        diff = corrupt_small(flat, "gaussian_noise", severity, seed=severity).astype(np.float64) - 128
+        assert diff.std() / 255 == pytest.approx(std, rel=0.05)
+    hits = corrupt_small(flat, "impulse_noise", 5, seed=0)
+    assert np.isin(hits, (0, 255)).mean() == pytest.approx(0.07, abs=0.01)
+    shot = corrupt_small(flat, "shot_noise", 5, seed=0).astype(np.float64) / 255
+    assert shot.mean() == pytest.approx(128 / 255, abs=0.01)
+    assert shot.std() == pytest.approx(np.sqrt(128 / 255 / 50), rel=0.05)  # Poisson: var = x / photons
+
+
+def test_pixelate_is_a_box_downscale_and_back():
+    image = _image(2)
+    out = corrupt_small(image, "pixelate", 5, seed=0)  # 32 -> 20 -> 32
+    assert out.shape == image.shape and not np.array_equal(out, image)
+    assert np.array_equal(corrupt_small(np.zeros_like(image), "pixelate", 5, seed=0), np.zeros_like(image))
+
+
+@pytest.mark.parametrize("name", CIFAR_C_CORRUPTIONS)
+def test_every_corruption_is_seeded_and_changes_the_image(name):
+    image = _image(4)
+    first = corrupt_image(image, name, 5, seed=7, parameters="cifar-10-c")
+    assert first.dtype == np.uint8 and first.shape == image.shape
+    assert np.array_equal(first, corrupt_image(image, name, 5, seed=7, parameters="cifar-10-c"))
+    assert not np.array_equal(first, image)
+
+
+def test_config_checks_names_against_the_parameter_set():
+    config = Config()
+    config.eval.corruption_parameters = "cifar-10-c"
+    config.eval.corruptions = ["gaussian_noise", "fog"]
+    with pytest.raises(ConfigError, match="cifar-10-c corruption 'fog'"):
+        validate(config)
+    config.eval.corruptions = ["gaussian_noise", "contrast"]
+    validate(config)
