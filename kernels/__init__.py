@@ -1,9 +1,9 @@
 """The fused anchoring op. `anchor` dispatches to the fastest available implementation:
 the Triton kernel for CUDA tensors when triton imports; the numba loop for CPU tensors and float32
 output (faster than the torch path: `fastanchor bench op` measures the three side by side);
-else the plain-torch reference. `anchor` runs as the torch.library custom ops
-`fastanchor::anchor` and `fastanchor::anchor_into_bank` (with a fake implementation giving the output's shape), so a function that
-anchors and runs the model compiles as one graph under torch.compile (docs/compile.md)."""
+else the plain-torch reference. `anchor` runs as the torch.library custom ops `fastanchor::anchor`
+and `fastanchor::anchor_into_bank`, each with a fake implementation giving the output's shape, so a
+function that anchors and runs the model compiles as one graph under torch.compile (docs/compile.md)."""
 
 import warnings
 from typing import Optional
@@ -94,6 +94,7 @@ anchor_into_bank_op.register_fake(_anchor_shape)
 
 
 __all__ = [
-    "anchor", "anchor_backend", "anchor_op", "anchor_into_bank_op", "anchor_torch", "anchor_triton", "anchor_triton_available",
-    "anchor_numba", "anchor_numba_available", "normalize", "IMAGENET_MEAN_255", "IMAGENET_STD_255",
+    "anchor", "anchor_backend", "anchor_op", "anchor_into_bank_op", "anchor_torch", "anchor_triton",
+    "anchor_triton_available", "anchor_numba", "anchor_numba_available", "normalize",
+    "IMAGENET_MEAN_255", "IMAGENET_STD_255",
 ]

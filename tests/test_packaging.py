@@ -74,8 +74,8 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
         assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-3000:]}"
         return result.stdout
 
-    located = run(sys.executable, "-c", "import fastanchor.pipeline.eval_sets as e, fastanchor.trainer.effective_robustness as r;"
-                                        "print(e.__file__); print(len(e.imagenet_r_wnids())); print(sorted(r.shipped_baselines()))")
+    located = run(sys.executable, "-c", "import fastanchor.pipeline.eval_sets as e, fastanchor.trainer.effective_robustness as r\n"
+                                        "print(e.__file__, len(e.imagenet_r_wnids()), sorted(r.shipped_baselines()), sep='\\n')")
     module, wnids, fits = located.splitlines()
     assert Path(module).is_relative_to(target)
     assert wnids == "200" and "imagenet-r" in fits
