@@ -35,7 +35,7 @@ def test_readme_example_runs_verbatim(tiny_dataset, tmp_path, monkeypatch):
     code = readme_example()
     assert len(code.strip().splitlines()) <= 20
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "embedded").symlink_to(tiny_dataset)
+    (tmp_path / "data" / "embedded_demo").symlink_to(tiny_dataset)  # where `fastanchor prepare` writes it
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     namespace = {"__name__": "readme_example"}

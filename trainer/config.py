@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,7 @@ class TrainConfig:
     run_name: str = _opt("", "run directory name under out_dir (default: <model>-<standard|anchored>-<time>)")
     log_interval: int = _opt(20, "steps between metric lines in metrics.jsonl; the loss is read from the device (and checked for nan/inf) only at these steps")
     progress: bool = _opt(True, "show progress bars with images/s")
+    tensorboard: bool = _opt(False, "also write TensorBoard event files into the run directory (training and validation scalars, evaluate's metrics); needs the tensorboard extra")
     checkpoint_interval: int = _opt(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch); any checkpoint resumes exactly (--resume)")
     keep_checkpoints: int = _opt(0, "newest checkpoints kept in <run>/checkpoints, mid-epoch and end-of-epoch alike; older ones are deleted (0 keeps all)")
     nonfinite: str = _opt("stop", "on a nan/inf loss: stop the run naming the step (the last good checkpoint is kept), or skip that step's update (one device sync per step; skipped steps are counted in metrics.jsonl)", choices=("stop", "skip"))
@@ -447,6 +449,8 @@ def validate(config: Config) -> None:
     _check(t.log_interval >= 1, f"train.log_interval = {t.log_interval}: expected >= 1")
     _check(t.checkpoint_interval >= 0, f"train.checkpoint_interval = {t.checkpoint_interval}: expected >= 0 steps (0: end of epoch only)")
     _check(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints}: expected >= 0 (0 keeps all)")
+    _check(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+           "train.tensorboard = true needs the tensorboard package: pip install 'fastanchor[tensorboard]'")
     _check(t.max_steps >= 0, f"train.max_steps = {t.max_steps}: expected >= 0 (0: train every epoch)")
     _check(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
            f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")

@@ -56,6 +56,7 @@ from fastanchor.trainer.metrics import (
     topk_correct,
 )
 from fastanchor.trainer.models import ModelError
+from fastanchor.trainer.tensorboard_log import EventLog
 from fastanchor.trainer.train import resolve_device
 
 CONVENTIONS = {
@@ -339,6 +340,10 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     if e.plots:
         result["plots"] = write_plots(path, result, reliability_groups, ood_score_values, e.ece_bins)
     atomic_write_bytes(result_path(path), lambda handle: handle.write(json.dumps(result, indent=2).encode()))
+    if config.train.tensorboard:
+        events = EventLog(run_directory_of(path))
+        events.log_evaluation(result, state.get("step", 0))
+        events.close()
     return result
 
 

@@ -22,7 +22,7 @@ from fastanchor.trainer.config import Config, config_from_dict, parse_override, 
 from fastanchor.trainer.errors import CheckpointError, ConfigError
 
 CHANGEABLE = (
-    "train.progress", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",
+    "train.progress", "train.tensorboard", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",
     "train.keep_checkpoints", "train.out_dir", "train.run_name", "data.root", "data.cifar_dir", "data.workers",
     "data.eval_batch_size",
 )

@@ -67,6 +67,7 @@ from fastanchor.trainer.loss_window import LossWindow, finite_on_every_process, 
 from fastanchor.trainer.metrics import topk_correct
 from fastanchor.trainer.resume import ResumePoint, capture_rng, find_resume_point, restore_rng
 from fastanchor.trainer.schedule import lr_factor, peak_lr
+from fastanchor.trainer.tensorboard_log import EventLog
 
 
 
@@ -323,7 +324,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         step_model = torch.compile(step_model)
 
     # --- the run directory: only rank 0 writes ------------------------------------------------
-    metrics_file = None
+    metrics_file, events = None, None
     if processes.main:
         checkpoints.mkdir(parents=True, exist_ok=True)
         remove_temporaries(checkpoints)
@@ -337,11 +338,15 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                   f"step {step})" + (f"; {len(moved)} newer checkpoint(s) moved to {checkpoints / 'superseded'}" if moved else ""),
                   flush=True)
         metrics_file = open(run_dir / "metrics.jsonl", "a" if point else "w")
+        if t.tensorboard:  # what an interrupted attempt logged after the checkpoint is hidden, as in metrics.jsonl
+            events = EventLog(run_dir, first_step=step + 1)
 
     def log(record: dict) -> None:
         if metrics_file is not None:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+        if events is not None:
+            events.log(record)
 
     last_good = point.path if point else None
 
@@ -471,6 +476,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     finally:
         if metrics_file is not None:
             metrics_file.close()
+        if events is not None:
+            events.close()
     if processes.main:
         link_final(run_dir, checkpoints / checkpoint_name(t.epochs, step, True))
     return run_dir

@@ -1,0 +1,85 @@
+"""The package as a user installs it: the wheel builds without a warning and holds exactly the
+modules, recipes and data files of the checkout (no tests, docs or results), and the installed
+copy runs from outside the checkout (`fastanchor --help`, `fastanchor recipes`, the shipped data
+files). The wheel is installed with `pip install --no-deps --target` beside this interpreter's
+dependencies, so no torch is downloaded."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fastanchor.trainer.config import recipe_names
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("", "kernels", "pipeline", "trainer", "benchmarks")  # folders whose *.py are the modules
+DATA_FILES = ("trainer/testbed_fits.json", "pipeline/imagenet_r_wnids.txt")
+
+
+def shipped_files() -> set[str]:
+    """What the wheel must hold, from the checkout: every module, every recipe, the data files."""
+    files = {p for folder in PACKAGES for p in (ROOT / folder).glob("*.py")}
+    files |= set((ROOT / "configs").rglob("*.yaml")) | {ROOT / name for name in DATA_FILES}
+    return {"fastanchor/" + p.relative_to(ROOT).as_posix() for p in files}
+
+
+def pip(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> tuple[Path, str]:
+    """The wheel built from a clean copy of the checkout (setuptools builds in the source tree, and a
+    left-over build/ or egg-info would add files), with this interpreter's setuptools; and pip's output."""
+    source, out = tmp_path_factory.mktemp("source") / "fastanchor", tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "data", "runs"))
+    result = pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(source), cwd=out)
+    (path,) = out.glob("fastanchor-*.whl")
+    return path, result.stdout + result.stderr
+
+
+def test_wheel_builds_without_warnings(wheel):
+    _, output = wheel
+    warnings = [line for line in output.splitlines() if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings[:10])
+
+
+def test_wheel_holds_exactly_the_modules_recipes_and_data_files(wheel):
+    path, _ = wheel
+    names = set(zipfile.ZipFile(path).namelist())
+    package = {name for name in names if not name.startswith("fastanchor-")}  # less the .dist-info folder
+    expected = shipped_files()
+    assert len([n for n in expected if n.startswith("fastanchor/configs/")]) >= len(recipe_names())
+    assert sorted(expected - package) == [], "missing from the wheel"
+    assert sorted(package - expected) == [], "in the wheel but not a module, recipe or data file of the checkout"
+
+
+def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
+    path, _ = wheel
+    target = tmp_path / "site"
+    pip("install", "--no-deps", "--no-compile", "--target", str(target), str(path), cwd=tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}  # before the editable install's finder
+
+    def run(*command: str) -> str:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=elsewhere, env=env, timeout=600)
+        assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-3000:]}"
+        return result.stdout
+
+    located = run(sys.executable, "-c", "import fastanchor.pipeline.eval_sets as e, fastanchor.trainer.effective_robustness as r\n"
+                                        "print(e.__file__, len(e.imagenet_r_wnids()), sorted(r.shipped_baselines()), sep='\\n')")
+    module, wnids, fits = located.splitlines()
+    assert Path(module).is_relative_to(target)
+    assert wnids == "200" and "imagenet-r" in fits
+    script = str(target / "bin" / "fastanchor")  # the console entry point, as pip wrote it
+    assert "train" in run(script, "--help")
+    listed = run(script, "recipes")
+    assert all(f"`{name}`" in listed for name in recipe_names() if "/" in name)
