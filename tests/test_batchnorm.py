@@ -24,7 +24,7 @@ def test_batch_level_masked_batches_leave_the_running_statistics_as_they_were_un
     model = create_model("fastanchor_resnet_tiny", 4, anchored=True).train()
     plain = create_model("fastanchor_resnet_tiny", 4, anchored=True).train()
     plain.load_state_dict(model.state_dict())
-    policy = UnmaskedRunningStats(model, "batch")
+    policy = UnmaskedRunningStats(model)
     none, every = torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)
 
     for seed in range(3):  # unmasked batches: bit for bit what plain BatchNorm does
@@ -46,38 +46,6 @@ def test_batch_level_masked_batches_leave_the_running_statistics_as_they_were_un
     reference = create_model("fastanchor_resnet_tiny", 4, anchored=True).train()
     reference.load_state_dict({**model.state_dict(), **before})
     torch.testing.assert_close(out, reference(masked_input), rtol=0, atol=0)
-
-
-def test_sample_level_running_statistics_are_the_unmasked_samples_exponential_average_float64():
-    torch.manual_seed(1)
-    model = create_model("fastanchor_resnet_tiny", 4, anchored=True).train()
-    policy = UnmaskedRunningStats(model, "sample")
-    first = batchnorm_layers(model)[0]
-    captured = {}
-    hook = first.register_forward_pre_hook(lambda module, args: captured.__setitem__("x", args[0].detach().double()))
-    old_mean, old_var = first.running_mean.double().clone(), first.running_var.double().clone()
-    masked = torch.tensor([True, False, False, True, False, True, False, False])
-    with policy.forward(masked):
-        model(anchored_batch(5))
-    hook.remove()
-
-    kept = captured["x"][~masked]  # [5, C, H, W] in float64
-    mean = kept.mean(dim=(0, 2, 3))
-    var = kept.var(dim=(0, 2, 3), unbiased=True)
-    m = first.momentum
-    torch.testing.assert_close(first.running_mean.double(), (1 - m) * old_mean + m * mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(first.running_var.double(), (1 - m) * old_var + m * var, rtol=1e-5, atol=1e-6)
-    assert int(first.num_batches_tracked) == 1
-
-    before = running_stats(model.state_dict())
-    with policy.forward(torch.ones(8, dtype=torch.bool)):  # nothing unmasked: nothing moves
-        model(anchored_batch(6))
-    assert all(torch.equal(before[k], v) for k, v in running_stats(model.state_dict()).items())
-
-    model.eval()  # outside training the policy does nothing
-    with policy.forward(torch.zeros(8, dtype=torch.bool)):
-        model(anchored_batch(7))
-    assert all(torch.equal(before[k], v) for k, v in running_stats(model.state_dict()).items())
 
 
 def test_recalibrate_is_the_plain_average_over_the_batches():
@@ -120,6 +88,23 @@ def test_masked_last_batches_do_not_move_the_checkpointed_statistics(tiny_datase
     assert all(same) if policy == "skip" else not all(same)
 
 
+
+
+def test_sample_level_masking_keeps_plain_batchnorm(tiny_dataset, tmp_path):
+    """Every batch mixes masked and unmasked samples, and training normalises with that mixture's statistics:
+    `skip` must not take masked samples out of the running average (measured: 26% vs 98% ID top-1 on the demo
+    recipe, docs/batchnorm.md). Both policies give the same checkpoint, bit for bit; batch level differs (control)."""
+    final = {}
+    for level in ("sample", "batch"):
+        for policy in ("skip", "update"):
+            name = f"{level}-{policy}"
+            result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
+                "anchor.alpha": 0.5, "anchor.mask_level": level, "anchor.masked_batchnorm": policy,
+                "train.threads": 1, "train.run_name": name}))
+            assert result.returncode == 0, result.stderr
+            final[name] = running_stats(load_checkpoint(tmp_path / name / "final.pt")["model"])
+    assert all(torch.equal(v, final["sample-update"][k]) for k, v in final["sample-skip"].items())
+    assert not all(torch.equal(v, final["batch-update"][k]) for k, v in final["batch-skip"].items())
 
 def test_evaluate_recalibrate_bn_reestimates_on_unmasked_training_batches_and_leaves_the_checkpoint(tiny_dataset, tmp_path):
     import hashlib

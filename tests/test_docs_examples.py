@@ -27,10 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(python|bash)([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 MARKER = "illustrative"
-# Blocks in files another branch is rewriting, awaiting their marker (document, first line of the block).
-AWAITING_MARKER = {
-    ("docs/fidelity.md", "# the full benchmark on the embedded demo data (generated into data/embedded_demo if missing):"),
-}
 
 
 def code_blocks(path: Path) -> list[tuple[str, bool, str, int]]:
@@ -41,9 +37,7 @@ def code_blocks(path: Path) -> list[tuple[str, bool, str, int]]:
 
 
 def runnable(path: Path) -> list[tuple[str, str, int]]:
-    name = path.relative_to(ROOT).as_posix()
-    return [(language, code, line) for language, illustrative, code, line in code_blocks(path)
-            if not illustrative and (name, code.splitlines()[0]) not in AWAITING_MARKER]
+    return [(language, code, line) for language, illustrative, code, line in code_blocks(path) if not illustrative]
 
 
 def test_the_fences_are_found():
@@ -51,14 +45,6 @@ def test_the_fences_are_found():
     blocks = code_blocks(ROOT / "README.md")
     assert any(lang == "python" and not illustrative and "anchored(loader" in code for lang, illustrative, code, _ in blocks)
     assert any(illustrative and "make demo" in code for _, illustrative, code, _ in blocks)
-
-
-def test_every_awaiting_block_still_exists_unmarked():
-    """An entry of AWAITING_MARKER goes once its block is marked (or gone)."""
-    for name, first_line in AWAITING_MARKER:
-        blocks = code_blocks(ROOT / name)
-        assert any(not illustrative and code.splitlines()[0] == first_line for _, illustrative, code, _ in blocks), \
-            f"{name}: the block is marked or gone; remove it from AWAITING_MARKER"
 
 
 @pytest.mark.parametrize("document", [d for d in DOCUMENTS if runnable(d)], ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -100,7 +100,7 @@ class AnchorConfig:
     alpha: float = _opt(0.2, "reference-masking probability: input [0, x - r] with a uniform target")
     mask_level: str = _opt("batch", "mask whole batches (the paper) or single samples", choices=("batch", "sample"))
     first_layer: str = _opt("duplicate", "init of the 6-channel first layer: duplicate the 3-channel weights [W, W] (exact for pretrained weights) or fresh (the authors' code, random init only)", choices=("duplicate", "fresh"))
-    masked_batchnorm: str = _opt("skip", "BatchNorm running statistics: skip masked samples (kept those of unmasked inputs) or update from them too (the paper's plain BatchNorm)", choices=("skip", "update"))
+    masked_batchnorm: str = _opt("skip", "BatchNorm running statistics under batch-level masking: skip masked batches or update from them too (the paper's plain BatchNorm); sample-level masking always updates", choices=("skip", "update"))
     masked_target: str = _opt("uniform", "target of masked samples: uniform (the paper) or label (the authors' released code)", choices=("uniform", "label"))
     references: str = _opt("derangement", "training reference source: in-batch derangement, a bank of recent samples, or a fixed set", choices=("derangement", "bank", "fixed"))
     bank_size: int = _opt(1024, "capacity of the device-resident reference bank (references: bank)")

@@ -307,7 +307,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
         device=device, dtype=input_dtype, seed=t.seed,  # the same seed on every rank: batch-level masks agree
         augment=device_augmentations(g, augment_seed))
-    running_stats = UnmaskedRunningStats(model, a.mask_level) if a.enabled and a.masked_batchnorm == "skip" else None
+    batch_masking_fix = a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch"
+    running_stats = UnmaskedRunningStats(model) if batch_masking_fix else None
     mixer = BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed)
     losses = LossWindow(device)
 
