@@ -1,18 +1,21 @@
 # make demo: install what is missing, then standard vs anchored training on the embedded dataset.
-# make test: the whole test suite (what CI runs).
+# make test: the whole test suite (what CI runs); make test-fast: without the tests marked slow.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.fastanchor-installed
 APT_PACKAGES := libopencv-dev libturbojpeg0-dev pkg-config chromium chromium-driver
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast setup clean
 
 demo: $(STAMP)
 	$(VENV)/bin/fastanchor demo $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "not slow" $(ARGS)
 
 setup: $(STAMP)
 

@@ -137,6 +137,7 @@ def test_all_first_convs_named_by_timm_are_widened():
 
 CREATE_CASES = [  # name, image_size, reference builder, first layer
     (DEMO_MODEL, 32, lambda: timm.create_model(DEMO_MODEL, num_classes=7), "stem.conv"),
+    ("fastanchor_convnet5", 32, lambda: timm.create_model("fastanchor_convnet5", num_classes=7), "features.0"),
     ("torchvision/resnet18", 32, lambda: torchvision.models.resnet18(num_classes=7), "conv1"),
     ("resnet18", 32, lambda: timm.create_model("resnet18", num_classes=7), "conv1"),  # rejects img_size
     ("vit_tiny_patch16_224", 32, lambda: timm.create_model("vit_tiny_patch16_224", num_classes=7, img_size=32),

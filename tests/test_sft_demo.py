@@ -1,6 +1,6 @@
 """SFT on the demo model: the demo recipe, trained as `fastanchor demo` trains it (standard and anchored,
-15 epochs on the embedded dataset), then fine-tuned for 50 steps with the recipe's SFT settings, keeps
-ID top-1 within 1 point while the weights do move. About three minutes on two CPU cores."""
+the recipe's epochs on the embedded dataset), then fine-tuned for 50 steps with the recipe's SFT settings, keeps
+ID top-1 within 1 point while the weights do move. About five minutes on two CPU cores."""
 
 import json
 
@@ -9,6 +9,8 @@ import torch
 from conftest import run_main
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL
+
+pytestmark = pytest.mark.slow  # trains the demo recipe twice (minutes)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,14 @@ from fastanchor.trainer.train import train
 def comparison_rows(results: dict[str, dict]) -> list[tuple[str, list[str]]]:
     """(metric name, one formatted value per run) rows, in a fixed order."""
     runs = list(results.values())
-    rows = [("ID top-1 (%)", [f"{r['id']['top1']:.2f}" for r in runs])]
+    rows = [("ID top-1 (%)", [f"{r['id']['top1']:.2f}" for r in runs]),
+            ("ID smECE", [f"{r['id']['smece']:.3f}" for r in runs])]
     for key in runs[0]["corruptions"]:
         rows.append((f"{key} top-1 (%)", [f"{r['corruptions'][key]:.2f}" for r in runs]))
-    if "corruption_mean_top1" in runs[0]:
-        rows.append(("mean corrupted top-1 (%)", [f"{r['corruption_mean_top1']:.2f}" for r in runs]))
+    for benchmark, by_severity in runs[0].get("severity_mean_top1", {}).items():
+        for severity in by_severity:
+            rows.append((f"{benchmark} severity {severity}: mean top-1 (%)",
+                         [f"{r['severity_mean_top1'][benchmark][severity]:.2f}" for r in runs]))
     if "ood" in runs[0]:
         scores = dict.fromkeys(score for r in runs for score in r["ood"]["auroc"])
         for score in scores:

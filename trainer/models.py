@@ -378,14 +378,56 @@ class TinyResNet(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+class PlainConvNet(nn.Module):
+    """Five 3x3 conv + BatchNorm + ReLU layers, no shortcut, 2x2 max-pooling after the 2nd, 3rd and 4th,
+    global average pooling and a Linear head ``fc``: the kind of plain network on which reference masking's
+    robustness gain was first measured in this project (DESIGN.md)."""
+
+    def __init__(self, num_classes: int = 1000, in_chans: int = 3, channels: tuple[int, ...] = (32, 64, 128, 128, 256),
+                 drop_rate: float = 0.0, global_pool: str = "avg"):
+        super().__init__()
+        self.num_classes, self.in_chans, self.drop_rate = num_classes, in_chans, drop_rate
+        layers, prev = [], in_chans
+        for i, chs in enumerate(channels):
+            layers += [nn.Conv2d(prev, chs, 3, 1, 1, bias=False), nn.BatchNorm2d(chs), nn.ReLU(inplace=True)]
+            if i in (1, 2, 3):
+                layers.append(nn.MaxPool2d(2))
+            prev = chs
+        self.features = nn.Sequential(*layers)
+        self.num_features = self.head_hidden_size = prev
+        self.global_pool, self.fc = create_classifier(prev, num_classes, pool_type=global_pool)
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
+        self.num_classes = num_classes
+        self.global_pool, self.fc = create_classifier(self.num_features, num_classes, pool_type=global_pool)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.global_pool(x)
+        if self.drop_rate:
+            x = nn.functional.dropout(x, p=self.drop_rate, training=self.training)
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
 # Read by timm's register_model (this module's default_cfgs) and build_model_with_cfg.
 CIFAR_RESNET18 = "fastanchor_cifar_resnet18"
+CONVNET5 = "fastanchor_convnet5"
 _CIFAR_CFG = dict(url="", num_classes=10, input_size=(3, 32, 32), crop_pct=1.0, interpolation="bilinear",
                   mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), first_conv="stem.conv",
                   classifier="fc", license="apache-2.0")
 default_cfgs = {
     DEMO_MODEL: dict(_CIFAR_CFG, pool_size=(2, 2)),
     CIFAR_RESNET18: dict(_CIFAR_CFG, pool_size=(4, 4)),
+    CONVNET5: dict(_CIFAR_CFG, pool_size=(4, 4), first_conv="features.0"),
 }
 
 
@@ -407,7 +449,14 @@ def fastanchor_cifar_resnet18(pretrained: bool = False, **kwargs) -> TinyResNet:
                                 feature_cfg=dict(flatten_sequential=True), **kwargs)
 
 
-for _entrypoint in (fastanchor_resnet_tiny, fastanchor_cifar_resnet18):
+def fastanchor_convnet5(pretrained: bool = False, **kwargs) -> PlainConvNet:
+    """A plain 5-conv network for 32 px images (widths 32-256, no shortcuts; 0.54 M params at 10 classes)."""
+    if pretrained:
+        raise ModelError(f"{CONVNET5} has no pretrained weights: set pretrained to false")
+    return build_model_with_cfg(PlainConvNet, CONVNET5, pretrained=False, feature_cfg=dict(flatten_sequential=True), **kwargs)
+
+
+for _entrypoint in (fastanchor_resnet_tiny, fastanchor_cifar_resnet18, fastanchor_convnet5):
     if not timm.is_model(_entrypoint.__name__):  # importing twice (or under two names) must not re-register
         register_model(_entrypoint)
 
