@@ -28,6 +28,9 @@ def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
         "train.out_dir": out_dir, "train.epochs": 1, "train.progress": False, "anchor.inference_references": 8,
         **{f"embedded.{k}": v for k, v in TINY_SPEC.items()}, "eval.severities": "[3]",
         "eval.corruptions": "[gaussian_noise, defocus_blur, contrast]", "eval.num_references": 3,
+        # what these tests were written against (the demo recipe before version 3 of the embedded data)
+        "data.train_crop": "random_resized", "data.min_scale": 0.5, "anchor.mask_level": "batch",
+        "eval.corruption_parameters": "imagenet-c", "eval.corruptions_bar": "[blue_noise_sample, checkerboard_cutout]",
     }
     values.update(extra)
     args = []

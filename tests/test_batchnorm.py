@@ -78,7 +78,7 @@ def test_masked_last_batches_do_not_move_the_checkpointed_statistics(tiny_datase
     result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
         "data.batch_size": 12, "train.checkpoint_interval": 2, "train.keep_checkpoints": 0, "train.threads": 1,
         "optim.name": "sgd", "optim.lr": 1e-30, "optim.momentum": 0.0, "optim.weight_decay": 0.0,
-        "anchor.alpha": 0.5, "anchor.masked_batchnorm": policy, "train.run_name": policy}))
+        "anchor.alpha": 0.5, "anchor.mask_level": "batch", "anchor.masked_batchnorm": policy, "train.run_name": policy}))
     assert result.returncode == 0, result.stderr
     checkpoints = tmp_path / policy / "checkpoints"
     middle = load_checkpoint(checkpoints / checkpoint_name(1, 2, False))
@@ -113,7 +113,7 @@ def test_evaluate_recalibrate_bn_reestimates_on_unmasked_training_batches_and_le
     from fastanchor.trainer.evaluate import load_for_inference, recalibration_batches
 
     result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
-        "anchor.alpha": 1.0, "anchor.masked_batchnorm": "update", "train.run_name": "masked"}))
+        "anchor.alpha": 1.0, "anchor.mask_level": "batch", "anchor.masked_batchnorm": "update", "train.run_name": "masked"}))
     assert result.returncode == 0, result.stderr
     checkpoint = (tmp_path / "masked" / "final.pt").resolve()
     digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()

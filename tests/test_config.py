@@ -24,7 +24,7 @@ def test_demo_recipe_loads_and_overrides_apply():
     ("augment.hflip=maybe", "config key 'augment.hflip' expects bool, got 'maybe'"),
     ("augment.hflip=1", "config key 'augment.hflip' expects bool, got 1"),
     ("model.name=resnet181", "unknown model 'resnet181'"),
-    ("eval.corruptions=[fog, blurry]", "unknown corruption 'blurry'"),
+    ("eval.corruptions=[gaussian_noise, blurry]", "unknown cifar-10-c corruption 'blurry'"),  # the demo recipe's strengths
     ("eval.severities=[0]", "eval.severities = [0]: expected integers 1 to 5"),
     ("alpha", "override 'alpha' is not of the form section.key=value"),
 ])

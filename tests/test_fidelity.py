@@ -85,6 +85,7 @@ def fidelity(tiny_dataset, out, *extra):
     return run_main("bench", "fidelity", "--data", tiny_dataset, "--out", out, "--epochs", 1, "--severities", 5,
                     "--set", "data.batch_size=16", "--set", "data.eval_batch_size=32", "--set", "data.workers=0",
                     "--set", "anchor.inference_references=8", "--set", "eval.corruptions=[gaussian_noise]",
+                    "--set", "anchor.mask_level=batch",  # the control's masking level
                     "--threads", 2, "--no-progress", *extra)
 
 

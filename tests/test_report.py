@@ -19,6 +19,8 @@ from fastanchor.trainer.linear_probe import (
     feature_extractor,
     features_of,
     fit_linear_probe,
+    probe_objective,
+    probe_problem,
     probe_top1,
     standardisation,
     standardise,
@@ -155,7 +157,17 @@ def test_linear_probe_is_the_sklearn_optimum_on_the_same_frozen_features(runs, k
     reference, mean, scale = sklearn_probe(train, alpha, 4)
     features = standardise(val["plain"][0], mean, scale).numpy()
     ours_probs = torch.softmax(ours.logits(val["plain"][0]), -1).numpy()
-    np.testing.assert_allclose(ours_probs, reference.predict_proba(features), atol=2e-4)
+    # Near-separable features leave the optimum flat: sklearn's solver stops a few 1e-3 from it in probability
+    # (its objective measured 5e-6 above ours), so ours must reach an objective at least as low as sklearn's,
+    # and the probabilities agree to 5e-3.
+    plain = train["plain"] if train["plain"].ndim == 3 else train["plain"][None]
+    masked = None if alpha == 0 else (train["masked"] if train["masked"].ndim == 3 else train["masked"][None])
+    x, targets, weights = probe_problem(standardise(plain, ours.mean, ours.scale), train["labels"],
+                                        None if masked is None else standardise(masked, ours.mean, ours.scale), alpha)
+    theirs = np.concatenate([reference.coef_.ravel(), reference.intercept_])
+    mine = np.concatenate([ours.weight.numpy().ravel(), ours.bias.numpy()])
+    assert probe_objective(mine, x, targets, weights, 4, L2)[0] <= probe_objective(theirs, x, targets, weights, 4, L2)[0] + 1e-12
+    np.testing.assert_allclose(ours_probs, reference.predict_proba(features), atol=5e-3)
     sklearn_top1 = 100 * float((reference.predict(features) == val["labels"].numpy()).mean())
     assert probe_top1(ours, val["plain"], val["labels"]) == pytest.approx(sklearn_top1)
 
