@@ -25,6 +25,7 @@ from timm.models import build_model_with_cfg, register_model
 from torch import nn
 from torch.nn.utils import parametrize
 
+from fastanchor.trainer.classifier_head import PooledLinearHead
 from fastanchor.trainer.errors import ConfigError
 
 __all__ = [
@@ -326,28 +327,7 @@ class _BasicBlock(nn.Module):
         return self.act2(x + shortcut)
 
 
-class _PooledLinearHead(nn.Module):
-    """timm's classifier interface for the models below: global pooling, dropout, a Linear ``fc``."""
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
-        self.num_classes = num_classes
-        self.global_pool, self.fc = create_classifier(self.num_features, num_classes, pool_type=global_pool)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.global_pool(x)
-        if self.drop_rate:
-            x = nn.functional.dropout(x, p=self.drop_rate, training=self.training)
-        return x if pre_logits else self.fc(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-
-class TinyResNet(_PooledLinearHead):
+class TinyResNet(PooledLinearHead):
     """CIFAR-style ResNet: a 3x3 stem conv (stride 2: 16x16 at 32 px, not ImageNet's 4x), then BasicBlock stages
     at strides 2, 4, 8, 16, global average pooling and a Linear head ``fc``. ``stem_stride=1`` keeps full
     resolution in the first stage (about 2.5x the compute)."""
@@ -383,7 +363,7 @@ class TinyResNet(_PooledLinearHead):
 
 
 
-class PlainConvNet(_PooledLinearHead):
+class PlainConvNet(PooledLinearHead):
     """Five 3x3 conv + BatchNorm + ReLU layers, no shortcut, 2x2 max-pooling after the 2nd, 3rd and 4th,
     global average pooling and a Linear head ``fc``: the kind of plain network on which reference masking's
     robustness gain was first measured in this project (DESIGN.md)."""

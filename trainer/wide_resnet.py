@@ -15,6 +15,7 @@ from timm.layers import create_classifier
 from timm.models import build_model_with_cfg, register_model
 from torch import nn
 
+from fastanchor.trainer.classifier_head import PooledLinearHead
 from fastanchor.trainer.errors import ConfigError
 
 WRN40_2 = "fastanchor_wrn40_2"
@@ -42,7 +43,7 @@ class _PreActBlock(nn.Module):
         return out + shortcut
 
 
-class WideResNet(nn.Module):
+class WideResNet(PooledLinearHead):
     """WRN-depth-widen for 32 px inputs, with timm's model interface (num_classes, in_chans, heads, features)."""
 
     def __init__(self, depth: int = 40, widen: int = 2, num_classes: int = 10, in_chans: int = 3,
@@ -73,25 +74,9 @@ class WideResNet(nn.Module):
             elif isinstance(module, nn.Linear):
                 nn.init.zeros_(module.bias)
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
-        self.num_classes = num_classes
-        self.global_pool, self.fc = create_classifier(self.num_features, num_classes, pool_type=global_pool)
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.norm(self.stages(self.stem(x))))
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.global_pool(x)
-        if self.drop_rate:
-            x = nn.functional.dropout(x, p=self.drop_rate, training=self.training)
-        return x if pre_logits else self.fc(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 # Read by timm's register_model (this module's default_cfgs) and build_model_with_cfg.
