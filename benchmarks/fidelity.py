@@ -48,7 +48,7 @@ from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, ev
 from fastanchor.trainer.checkpoint import atomic_write_bytes
 from fastanchor.trainer.config import Config, load_config, set_value, validate
 from fastanchor.trainer.errors import ConfigError, DataError
-from fastanchor.trainer.evaluate import CONVENTIONS, load_for_inference
+from fastanchor.trainer.evaluate import CONVENTIONS, load_for_inference, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct
 from fastanchor.trainer.schedule import peak_lr
@@ -226,7 +226,7 @@ def control_settings(base: Config, arm: str, seed: int, num_classes: int, device
         warmup_start=o.warmup_start, min_lr_ratio=o.min_lr_ratio, milestones=tuple(o.milestones), gamma=o.gamma, anchored=arm != "control-standard",
         alpha={"control": a.alpha}.get(arm, 0.0), seed=seed, inference_references=a.inference_references,
         crop=d.train_crop, min_scale=d.min_scale, padding=d.crop_padding, hflip=control_hflip(base),
-        autocast=device.type == "cuda" and base.train.amp != "off")
+        autocast=device.type == "cuda" and base.train.amp != "off", precise_bn=base.eval.recalibrate_bn)
 
 
 def settings_key(settings: dict) -> str:
@@ -244,6 +244,7 @@ def run_trainer_arm(config: Config, run_dir: Path, data: Decoded, device: torch.
     train(config, resume="auto")
     seconds = time.perf_counter() - started
     model, loaded, state = load_for_inference(run_dir / "final.pt", device)
+    recalibrate_batchnorm(model, loaded, data.classes, device)  # when eval.recalibrate_bn asks (precise BN)
     anchored = loaded.anchor.enabled
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     channels_last = torch.channels_last if loaded.train.channels_last else torch.contiguous_format
@@ -399,7 +400,7 @@ def ablation_settings(run: dict) -> dict:
         masked = c["anchored"] and c["alpha"] > 0
         return {"model": c["model"], "first layer": "fresh" if c["anchored"] else "-", "masked BN": "update" if masked else "-",
                 "alpha": c["alpha"] if c["anchored"] else "-", "mask level": "batch" if masked else "-", "hflip": c["hflip"],
-                "epochs": c["epochs"], "crop": "-", "corruptions": "-"}
+                "epochs": c["epochs"], "crop": "-", "corruptions": "-", "BN statistics": bn_statistics(c.get("precise_bn", 0))}
     t = s["trainer_config"]
     a = t["anchor"]
     masked = a["enabled"] and a["alpha"] > 0
@@ -407,12 +408,18 @@ def ablation_settings(run: dict) -> dict:
             "masked BN": a.get("masked_batchnorm", "update") if masked else "-", "alpha": a["alpha"] if a["enabled"] else "-",
             "mask level": a["mask_level"] if masked else "-", "hflip": t["augment"].get("hflip", True),
             "epochs": t["train"]["epochs"], "crop": t["data"].get("train_crop", "random_resized"),
-            "corruptions": t["eval"].get("corruption_parameters", "imagenet-c")}
+            "corruptions": t["eval"].get("corruption_parameters", "imagenet-c"),
+            "BN statistics": bn_statistics(t["eval"].get("recalibrate_bn", 0))}
+
+
+def bn_statistics(batches: int) -> str:
+    return f"re-estimated ({batches} batches)" if batches else "as trained"
 
 
 def ablation_table(files: list[Path], link) -> list[str]:
     """One row per (result file, arm): its settings and the seeds' means ± spreads, as Markdown lines."""
-    columns = ["model", "first layer", "masked BN", "alpha", "mask level", "hflip", "epochs", "crop", "corruptions"]
+    columns = ["model", "first layer", "masked BN", "alpha", "mask level", "hflip", "epochs", "crop", "corruptions",
+               "BN statistics"]
     lines = ["| result | arm | " + " | ".join(columns) + " | seeds | ID top-1 (%) | smECE | highest severity: mean top-1 (%) "
              "| OOD AUROC (%) |", "| --- | --- | " + " | ".join("---" for _ in columns) + " | ---: | ---: | ---: | ---: | ---: |"]
     for path in files:

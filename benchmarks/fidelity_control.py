@@ -35,6 +35,7 @@ class ControlSettings:  # the recipe's settings; lr is the peak rate, weight dec
     anchored: bool = True; alpha: float = 0.0; seed: int = 0; inference_references: int = 256  # noqa: E702
     crop: str = "random_resized"; min_scale: float = 0.35; padding: int = 4; hflip: bool = True  # noqa: E702
     autocast: bool = False  # bf16 autocast (CUDA)
+    precise_bn: int = 0  # > 0: BatchNorm statistics re-estimated on this many unmasked training batches after training
 
 
 def lr_factor(epoch: float, s: ControlSettings) -> float:
@@ -85,6 +86,19 @@ def loss_of(logits: torch.Tensor, labels: torch.Tensor, masked: bool) -> torch.T
     return -F.log_softmax(logits.float(), -1).mean() if masked else F.cross_entropy(logits.float(), labels)
 
 
+@torch.no_grad()
+def precise_batchnorm(model: torch.nn.Module, images: torch.Tensor, s: ControlSettings, g: torch.Generator, device) -> None:
+    """Running statistics = the plain average over s.precise_bn unmasked, augmented training batches."""
+    for layer in (m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)):
+        layer.reset_running_stats()
+        layer.momentum = None  # cumulative average
+    model.train()
+    order = torch.randperm(len(images), generator=g).repeat(s.precise_bn * s.batch_size // len(images) + 1)
+    for k in range(s.precise_bn):
+        x = augment(images[order[k * s.batch_size:(k + 1) * s.batch_size]], s, g).to(device)
+        model(anchored_input(x, g, 0.0)[0] if s.anchored else normalise(x))
+
+
 def train_control(images: torch.Tensor, labels: torch.Tensor, s: ControlSettings, device="cpu", progress=True):
     """Train on uint8 [N, 3, H, W] images; return (model, make_predict); make_predict(seed) gives a
     predict(uint8 images) -> logits with one random reference per sample from a fixed training subset."""
@@ -112,6 +126,8 @@ def train_control(images: torch.Tensor, labels: torch.Tensor, s: ControlSettings
             loss.backward()
             optimizer.step()
             bar.set_postfix(img_s=f"{(k + 1) * s.batch_size / (time.perf_counter() - started):.0f}")
+    if s.precise_bn:
+        precise_batchnorm(model, images, s, g, device)
     model.eval()
     refs = normalise(images[torch.randperm(len(images), generator=torch.Generator().manual_seed(s.seed))[
         :s.inference_references]]).to(device)  # as the trainer's: a seeded subset of the training images

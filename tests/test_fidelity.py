@@ -71,6 +71,22 @@ def test_control_trains_a_fresh_six_channel_layer_with_plain_batchnorm():
     torch.testing.assert_close(make_predict(0)(images[:5]), logits)  # the same seed, the same references
 
 
+def test_control_precise_batchnorm_is_the_plain_average_over_unmasked_batches():
+    images = torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    settings = control.ControlSettings(DEMO_MODEL, 2, 0, 4, 1e-3, 0.0, alpha=1.0, precise_bn=5)  # 5 batches > 1 epoch
+    model = control.timm.create_model(DEMO_MODEL, in_chans=6, num_classes=2)
+    first_bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    inputs, seen = [], []
+    model.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
+    first_bn.register_forward_pre_hook(lambda module, args: seen.append(args[0].double()))
+    control.precise_batchnorm(model, images, settings, torch.Generator().manual_seed(1), "cpu")
+    assert len(seen) == 5 and all(x[:, :3].abs().sum() > 0 for x in inputs)  # alpha 1, yet never masked
+    means = torch.stack([x.mean((0, 2, 3)) for x in seen]).mean(0)
+    variances = torch.stack([x.var((0, 2, 3), unbiased=True) for x in seen]).mean(0)
+    torch.testing.assert_close(first_bn.running_mean.double(), means, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first_bn.running_var.double(), variances, rtol=1e-5, atol=1e-6)
+
+
 def test_control_crop_and_flip_keep_shape_and_pixels():
     images = torch.randint(0, 256, (6, 3, 12, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     settings = control.ControlSettings(DEMO_MODEL, 2, 1, 4, 1e-3, 0.0, crop="padded", padding=2)
@@ -91,7 +107,8 @@ def fidelity(tiny_dataset, out, *extra):
 
 def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
     results, tmp_path = tmp_path, tmp_path / "fidelity"  # as benchmarks/results/fidelity
-    outcome = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2)
+    precise = ("--set", "eval.recalibrate_bn=2")  # BatchNorm re-estimated on 2 batches: both arms follow it
+    outcome = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2, *precise)
     assert outcome.returncode == 0, outcome.stderr[-3000:]
     result = json.loads((tmp_path / "fidelity-cpu.json").read_text())
     assert result["schema"] == "fastanchor-fidelity-v1" and result["command"].startswith("fastanchor bench fidelity --data")
@@ -112,7 +129,7 @@ def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
     assert len(runs) == 4 and not list(tmp_path.rglob("*.pt"))  # checkpoints deleted once evaluated
     stamps = {p: p.stat().st_mtime_ns for p in runs}
 
-    again = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2)
+    again = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2, *precise)
     assert again.returncode == 0 and "4 of 4 runs reused" in again.stdout
     assert {p: p.stat().st_mtime_ns for p in runs} == stamps
     assert json.loads((tmp_path / "fidelity-cpu.json").read_text())["reused_runs"] == 4
@@ -122,6 +139,7 @@ def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
     assert run_main("bench", "readme", "--results", results, "--readme", readme).returncode == 0
     text = readme.read_text()
     assert "old" not in text and "[fidelity-cpu.json](fidelity/fidelity-cpu.md)" in text and "| control |" in text
+    assert text.count("re-estimated (2 batches)") == 2  # the BN statistics column, for both arms
 
     changed = fidelity(tiny_dataset, tmp_path, "--arms", "control", "--seeds", 1, "--set", "optim.lr=0.001")
     assert changed.returncode == 0 and "0 of 1 runs reused" in changed.stdout  # a changed setting retrains
