@@ -1,10 +1,11 @@
 """Training-step throughput: standard vs anchored training of the same model at the same resolution
 and batch, on synthetic uint8 batches already on the device (the pure step, no loader).
 
-A step is the trainer's loop body (`trainer/train.py`): the anchoring stage turns the uint8 batch
-into the network input (normalise only for standard; pair with an in-batch derangement, mask, build
-[r, x - r] for anchored), then forward under autocast, the anchored cross-entropy, backward and the
-optimiser step, with the trainer's model factory, optimiser and precision. Three cases per model:
+A step is the trainer's: the anchoring stage turns the uint8 batch into the network input (normalise
+only for standard; pair with an in-batch derangement, mask, build [r, x - r] for anchored), then the
+trainer's `TrainStep` (trainer/step.py: forward under autocast, the anchored cross-entropy, scaled
+backward, optimiser step), with the trainer's model factory, optimiser and precision. Three cases per
+model:
 
     standard            3-channel model, normalised input
     anchored            6-channel model, no batch masked (alpha = 0)
@@ -16,7 +17,6 @@ loss every step; here the device is synchronised at the end of each repetition).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -25,9 +25,9 @@ import torch
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchronize
 from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
-from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage
+from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.losses import anchored_cross_entropy
+from fastanchor.trainer.step import TrainStep
 
 UNIT = "images/s"
 BENCH_LR = 0.01  # small enough that random labels never drive the weights to inf/NaN (which would change the speed)
@@ -50,32 +50,16 @@ class TrainingSetup:
         torch.manual_seed(seed)
         self.device = device
         self.anchored = anchored
-        self.model = build_model(config, num_classes, device).train()
-        self.optimizer = make_optimizer(self.model, config)
-        self.autocast_dtype = amp_dtype(amp, device)
-        self.input_dtype = self.autocast_dtype or torch.float32
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype == torch.float16)
-        self.forward = torch.compile(self.model) if compile else self.model
+        model = build_model(config, num_classes, device).train()
+        autocast_dtype = amp_dtype(amp, device)
+        self.input_dtype = autocast_dtype or torch.float32
+        self.step = TrainStep(model, make_optimizer(model, config), device=device, autocast_dtype=autocast_dtype,
+                              forward=torch.compile(model) if compile else model)
 
     def stage(self, alpha: float, seed: int) -> AnchoringStage:
         """The on-device stage for this model (anchored or standard), masking batches with probability `alpha`."""
         return AnchoringStage((), AnchoringSpec(anchored=self.anchored, alpha=alpha), device=self.device,
                               dtype=self.input_dtype, seed=seed)
-
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def step(self, batch: AnchoredBatch) -> torch.Tensor:
-        with self.autocast():
-            logits = self.forward(batch.inputs)
-            loss = anchored_cross_entropy(logits, batch.labels, batch.masked)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return loss
 
 
 def synthetic_batches(count: int, batch_size: int, image_size: int, num_classes: int, device: torch.device,

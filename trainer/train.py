@@ -10,7 +10,6 @@ process trains on its shard of the data and rank 0 writes (`distributed.py`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import fnmatch
 import json
 import os
@@ -39,7 +38,6 @@ from fastanchor.pipeline.erasing import RandomErasing
 from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.batchnorm import UnmaskedRunningStats
 from fastanchor.trainer.build import build_model
 from fastanchor.trainer.checkpoint import (
     atomic_write_bytes,
@@ -62,11 +60,11 @@ from fastanchor.trainer.distributed import (
 )
 from fastanchor.trainer.errors import ConfigError, TrainingError
 from fastanchor.trainer.inference import predict
-from fastanchor.trainer.losses import anchored_cross_entropy
-from fastanchor.trainer.loss_window import LossWindow, finite_on_every_process, nonfinite_tensors
+from fastanchor.trainer.loss_window import LossWindow, nonfinite_tensors
 from fastanchor.trainer.metrics import topk_correct
 from fastanchor.trainer.resume import ResumePoint, capture_rng, find_resume_point, restore_rng
 from fastanchor.trainer.schedule import lr_factor, peak_lr
+from fastanchor.trainer.step import TrainStep
 from fastanchor.trainer.tensorboard_log import EventLog
 
 
@@ -194,21 +192,20 @@ def link_final(run_dir: Path, checkpoint: Path) -> None:
     os.replace(link, run_dir / "final.pt")
 
 
-def restore_training_state(state: dict, rank: int, *, model, ema, optimizer, scheduler, scaler, stage, mixer, losses,
-                           device) -> None:
+def restore_training_state(state: dict, rank: int, *, train_step: TrainStep, scheduler, stage, losses, device) -> None:
     """Everything but the global random states (restored last, right before the loop)."""
-    model.load_state_dict(state["raw_model"] if ema is not None else state["model"])
+    ema = train_step.ema
+    train_step.model.load_state_dict(state["raw_model"] if ema is not None else state["model"])
     if ema is not None:
         ema.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    train_step.optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    train_step.scaler.load_state_dict(state["scaler"])
     mine = state["ranks"][rank]
     stage.generator.set_state(mine["anchoring_generator"])
-    if "mixer" in mine:  # checkpoints written before Mixup/CutMix and random erasing existed have neither
-        mixer.load_state_dict(mine["mixer"])
-        if stage.augment is not None:
-            stage.augment.load_state_dict(mine["augment"] if "augment" in mine else {"random_erasing": mine["erasing"]})
+    train_step.mixer.load_state_dict(mine["mixer"])
+    if stage.augment is not None:
+        stage.augment.load_state_dict(mine["augment"])
     stage.references.load_state_dict(mine["references"], device)
     losses.load_state_dict(mine["loss_window"])
 
@@ -296,8 +293,6 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step / steps_per_epoch, t.epochs, o))
     autocast_dtype = amp_dtype(t.amp, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    ema = copy.deepcopy(model).eval().requires_grad_(False) if o.ema_decay > 0 else None
     input_dtype = autocast_dtype or torch.float32
 
     g = config.augment
@@ -307,22 +302,25 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
         device=device, dtype=input_dtype, seed=t.seed,  # the same seed on every rank: batch-level masks agree
         augment=device_augmentations(g, augment_seed))
-    batch_masking_fix = a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch"
-    running_stats = UnmaskedRunningStats(model) if batch_masking_fix else None
-    mixer = BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed)
+    train_step = TrainStep(
+        model, optimizer, device=device, autocast_dtype=autocast_dtype,
+        mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed),
+        grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
+        unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
+        skip_nonfinite=t.nonfinite == "skip", processes=processes)
     losses = LossWindow(device)
 
     first_epoch, first_batch, step, skipped = 0, 0, 0, 0
     if point is not None:
-        restore_training_state(point.state, processes.rank, model=model, ema=ema, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, stage=stage, mixer=mixer, losses=losses, device=device)
+        restore_training_state(point.state, processes.rank, train_step=train_step, scheduler=scheduler, stage=stage,
+                               losses=losses, device=device)
         first_epoch, first_batch = point.state["epoch"], point.state["batch_in_epoch"]
         step, skipped = point.state["step"], point.state["skipped_steps"]
-    step_model = model
     if processes.several:
-        step_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_step.forward = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     if t.compile:
-        step_model = torch.compile(step_model)
+        train_step.forward = torch.compile(train_step.forward)
 
     # --- the run directory: only rank 0 writes ------------------------------------------------
     metrics_file, events = None, None
@@ -364,14 +362,14 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         bad_step = losses.first_nonfinite_step(processes)
         if bad_step is not None:
             raise nonfinite_loss(bad_step)
-        bad = nonfinite_tensors(processes, state_tensors(model, ema, optimizer))
+        bad = nonfinite_tensors(processes, state_tensors(model, train_step.ema, optimizer))
         if bad:
             raise TrainingError(f"not writing the checkpoint of step {step}: '{bad[0]}' holds nan or inf values "
                                 f"({len(bad)} tensor(s) do); {stop_message()}")
         ranks = gather_to_main(processes, {
             "rng": capture_rng(device), "anchoring_generator": stage.generator.get_state(),
             "references": stage.references.state_dict(), "loss_window": losses.state_dict(),
-            "mixer": mixer.state_dict(), "augment": stage.augment.state_dict() if stage.augment is not None else None})
+            "mixer": train_step.mixer.state_dict(), "augment": stage.augment.state_dict() if stage.augment is not None else None})
         end_of_epoch = position == steps_per_epoch
         path = checkpoints / checkpoint_name(epoch + 1, step, end_of_epoch)
         if processes.main:
@@ -385,11 +383,11 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                 "steps_per_epoch": steps_per_epoch,
                 "world_size": processes.world_size,
                 "skipped_steps": skipped,
-                "model": (ema if ema is not None else model).state_dict(),
-                "raw_model": model.state_dict() if ema is not None else None,
+                "model": train_step.eval_model.state_dict(),
+                "raw_model": model.state_dict() if train_step.ema is not None else None,
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(),
+                "scaler": train_step.scaler.state_dict(),
                 "reference_images": inference_refs.images.cpu(),
                 "metrics": metrics,
                 "ranks": ranks,  # per process: random states, anchoring generator, reference bank, loss sums
@@ -414,32 +412,12 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                        desc=f"epoch {epoch + 1}/{t.epochs}", disable=not show, unit="batch", dynamic_ncols=True)
             for images, labels in bar:
                 batch = stage.process(images, labels)
-                inputs, mix = mixer(batch.inputs, batch.masked)  # Mixup/CutMix on the device; masked stay masked
-                kept_buffers = [buffer.clone() for buffer in model.buffers()] if t.nonfinite == "skip" else None
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None), \
-                        running_stats.forward(batch.masked) if running_stats else contextlib.nullcontext():
-                    logits = step_model(inputs)
-                    loss = anchored_cross_entropy(logits, batch.labels, batch.masked, mix=mix,
-                                                  label_smoothing=o.label_smoothing, masked_target=a.masked_target)
+                loss = train_step(batch)
                 step += 1
                 position += 1
-                if kept_buffers is None or finite_on_every_process(processes, loss):
-                    optimizer.zero_grad(set_to_none=True)
-                    scaler.scale(loss).backward()
-                    if o.grad_clip > 0:
-                        scaler.unscale_(optimizer)
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-                    scaler.step(optimizer)
-                    scaler.update()
-                    if ema is not None:
-                        with torch.no_grad():
-                            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - o.ema_decay)
-                            for ema_buffer, buffer in zip(ema.buffers(), model.buffers()):
-                                ema_buffer.copy_(buffer)
+                if loss is not None:
                     losses.add(loss, batch.labels.numel(), batch.masked, step)  # no device sync
-                else:  # train.nonfinite = skip: no update from a nan/inf loss, and BatchNorm forgets the batch
-                    for buffer, kept in zip(model.buffers(), kept_buffers):
-                        buffer.copy_(kept)
+                else:  # train.nonfinite = skip
                     skipped += 1
                 scheduler.step()
                 seen += batch.labels.numel()
@@ -460,7 +438,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                     return run_dir
 
             # --- per-epoch validation and checkpoint ----------------------------------------
-            eval_model = ema if ema is not None else model
+            eval_model = train_step.eval_model
             broadcast_module_buffers(processes, eval_model)  # BatchNorm statistics: rank 0's everywhere
             val = validate_top1(eval_model, val_loader, anchored=a.enabled, references=inference_refs,
                                 seed=config.eval.seed, dtype=autocast_dtype, progress=show, processes=processes,
