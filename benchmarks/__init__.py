@@ -6,7 +6,7 @@ process, interleaved, as medians of repetitions; results written under benchmark
     fastanchor bench op        the anchoring op vs a same-size copy, and its share of a step
     fastanchor bench step      standard vs anchored training steps
     fastanchor bench e2e       loader + op + step; standard vs anchored vs the naive design
-    fastanchor bench readme    README's performance block from the result files
+    fastanchor bench readme    the generated blocks of README.md and docs/*.md from the result files
 
 `python -m fastanchor.benchmarks WHAT ...` is the same command; `benchmarks/run_cpu.sh` and
 `benchmarks/run_gpu.sh` run the full sets.

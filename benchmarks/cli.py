@@ -1,4 +1,4 @@
-"""`fastanchor bench WHAT`: the throughput benchmarks, the ImageNet-shaped dataset, the README block.
+"""`fastanchor bench WHAT`: the throughput benchmarks, the ImageNet-shaped dataset, the generated README/docs blocks.
 
 Every option of a benchmark is a field of its dataclass in `benchmarks/options.py`; the flags and
 their help are generated from those fields, so `--help` always lists them all with their meaning.
@@ -58,9 +58,11 @@ def add_bench_parser(commands) -> None:
         add_options(which.add_parser(name, help=help_text, description=help_text), cls)
     data = which.add_parser("data", help="write the ImageNet-shaped synthetic JPEG dataset (sizes and resolutions as ImageNet's)")
     add_options(data, opts.DataOptions)
-    readme = which.add_parser("readme", help="rewrite README.md's performance block from the result files")
+    readme = which.add_parser("readme", help="rewrite the generated blocks (README.md's demo block, docs/benchmarks.md's "
+                                             "performance block, docs/fidelity.md's fidelity block) from the result files")
     readme.add_argument("--results", default="benchmarks/results", help="directory of the result files (default: %(default)s)")
-    readme.add_argument("--readme", default="README.md", help="the README to rewrite (default: %(default)s)")
+    readme.add_argument("--readme", default="README.md",
+                        help="the README to rewrite, with the docs/*.md beside it (default: %(default)s)")
 
 
 def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
@@ -87,5 +89,5 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         from fastanchor.benchmarks.readme import update_readme
 
         update_readme(args.readme, args.results)
-        print(f"{args.readme}: performance block rewritten from {args.results}")
+        print(f"{args.readme} and docs/*.md: generated blocks rewritten from {args.results}")
     return 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full CPU benchmark set, for a quiet machine (about 30 minutes on 2 cores). Writes
 # benchmarks/results/{loader,op,step,e2e}-cpu.{json,md,png}, one step-cpu-<recipe> result per
-# recipe model, and regenerates README's performance block and Recipes table.
+# recipe model, and regenerates the performance block (docs/benchmarks.md) and the recipe tables (docs/recipes.md).
 #
 #   benchmarks/run_cpu.sh            # everything
 #   benchmarks/run_cpu.sh loader     # one stage: data | loader | op | step | recipes | e2e | readme
@@ -47,5 +47,5 @@ if [[ $stage == all || $stage == e2e ]]; then
 fi
 if [[ $stage == all || $stage == readme ]]; then
     bench readme --results "$RESULTS" --readme README.md
-    "$PYTHON" -m fastanchor recipes --readme README.md
+    "$PYTHON" -m fastanchor recipes --readme docs/recipes.md
 fi

@@ -30,7 +30,7 @@ COMMON = ["--device", "cpu", "--repetitions", "2", "--warmup-rounds", "1", "--no
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
-    """One results directory shared by the benchmark runs of this module (the README test reads it)."""
+    """One results directory shared by the benchmark runs of this module (the README tests read it)."""
     return tmp_path_factory.mktemp("bench_results")
 
 
@@ -279,11 +279,34 @@ def test_readme_block_from_result_files(results, tmp_path):
     assert len(outcome.stderr.strip().splitlines()) == 1
 
 
+def test_readme_blocks_go_to_the_docs_page_holding_their_markers(results, tmp_path):
+    """`bench readme` writes each block into whichever of README.md and docs/*.md holds its markers, its links
+    relative to that file; a page without markers is left as it is."""
+    (tmp_path / "docs").mkdir()
+    readme, page, other = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "other.md"
+    readme.write_text("# x\n\nno generated block here\n")
+    page.write_text(f"# Performance\n\n{bench_readme.BEGIN}\nold\n{bench_readme.END}\n")
+    other.write_text("# other\n")
+    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    assert outcome.returncode == 0, outcome.stderr
+    assert readme.read_text() == "# x\n\nno generated block here\n" and other.read_text() == "# other\n"
+    text = page.read_text()
+    assert text.startswith("# Performance\n\n") and "\nold\n" not in text
+    expected = bench_readme.render_block(bench_readme.load_results(results), page.parent.resolve())
+    assert expected in text and "loader-cpu.md" in expected
+    page.write_text("# Performance\n")  # the performance block in none of them: one line, exit 2
+    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    assert outcome.returncode == 2 and "no generated performance block" in outcome.stderr
+    assert len(outcome.stderr.strip().splitlines()) == 1
+
+
 def test_committed_readme_block_matches_committed_results():
-    text = (REPO / "README.md").read_text()
+    """The performance block lives in docs/benchmarks.md (the README links to it)."""
+    page = REPO / "docs" / "benchmarks.md"
+    text = page.read_text()
     start, end = text.index(bench_readme.BEGIN), text.index(bench_readme.END) + len(bench_readme.END)
-    expected = bench_readme.render_block(bench_readme.load_results(REPO / "benchmarks" / "results"), REPO)
-    assert text[start:end] == expected, "README's performance block is stale: run `fastanchor bench readme`"
+    expected = bench_readme.render_block(bench_readme.load_results(REPO / "benchmarks" / "results"), page.parent)
+    assert text[start:end] == expected, "docs/benchmarks.md's performance block is stale: run `fastanchor bench readme`"
 
 
 def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):

@@ -8,8 +8,10 @@ the order of the file, in one temporary directory per file: bash blocks with `ba
 (this interpreter's `fastanchor` first on PATH), python blocks with this interpreter. The
 directory starts with the tiny embedded dataset under data/embedded_demo, where `fastanchor
 prepare` writes the demo recipe's, so the examples train on it in seconds. Both see this checkout
-of fastanchor. The README's generated blocks (between the recipe, bench and fidelity markers) hold
-no code blocks; their own tests compare them with their generators' output.
+of fastanchor. The generated blocks (between the demo, recipe, bench and fidelity markers, in
+README.md and docs/) hold no code blocks; their own tests compare them with their generators' output.
+
+Every relative link of these files points to a file or folder that exists.
 """
 
 import os
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(python|bash)([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 MARKER = "illustrative"
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)[^)]*\)")  # [text](target) and ![alt](target), an optional "title" after
 
 
 def code_blocks(path: Path) -> list[tuple[str, bool, str, int]]:
@@ -45,6 +48,23 @@ def test_the_fences_are_found():
     blocks = code_blocks(ROOT / "README.md")
     assert any(lang == "python" and not illustrative and "anchored(loader" in code for lang, illustrative, code, _ in blocks)
     assert any(illustrative and "make demo" in code for _, illustrative, code, _ in blocks)
+
+
+def relative_links(path: Path) -> list[tuple[str, int]]:
+    """(target, line) of every Markdown link of `path` that is not a URL or an anchor in the same page."""
+    text = path.read_text()
+    return [(m.group(1), text.count("\n", 0, m.start()) + 1) for m in LINK.finditer(text)
+            if not re.match(r"[a-z][a-z0-9+.-]*:|#", m.group(1))]
+
+
+def test_relative_links_resolve():
+    """README.md's and docs/*.md's links (the README's table of contents into docs/, the generated blocks' links to
+    result files) point to files that exist."""
+    assert {"docs/" + d.name for d in DOCUMENTS[1:]} <= {target for target, _ in relative_links(ROOT / "README.md")}, \
+        "the README's table of contents should link every page of docs/"
+    broken = [f"{document.relative_to(ROOT)}:{line}: {target}" for document in DOCUMENTS
+              for target, line in relative_links(document) if not (document.parent / target.split("#")[0]).exists()]
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
 @pytest.mark.parametrize("document", [d for d in DOCUMENTS if runnable(d)], ids=lambda p: p.relative_to(ROOT).as_posix())

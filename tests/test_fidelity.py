@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from conftest import run_main
 from fastanchor.benchmarks import fidelity_control as control
 from fastanchor.benchmarks import readme as bench_readme
-from fastanchor.benchmarks.fidelity import README_BEGIN, README_END, config_knows, control_settings, readme_block, trainer_config
+from fastanchor.benchmarks.fidelity import (DEMO_BEGIN, DEMO_END, DEMO_TAG, README_BEGIN, README_END, config_knows,
+                                            control_settings, demo_block, readme_block, trainer_config)
 from fastanchor.benchmarks.options import FidelityOptions
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
@@ -161,11 +162,27 @@ def test_bench_fidelity_bad_options(tmp_path):
 
 
 def test_committed_readme_fidelity_block_matches_committed_results():
+    """The fidelity block lives in docs/fidelity.md, its links relative to docs/."""
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "docs" / "fidelity.md").read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    expected = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo / "docs"))
+    assert text[start:end] == expected, "docs/fidelity.md's fidelity block is stale: run `fastanchor bench readme`"
+
+
+def test_committed_readme_demo_block_matches_committed_results():
+    """The README's demo block: the demo recipe's rows of the fidelity results, generated, never typed."""
     repo = Path(__file__).resolve().parents[1]
     text = (repo / "README.md").read_text()
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    expected = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
-    assert text[start:end] == expected, "README's fidelity block is stale: run `fastanchor bench readme`"
+    start, end = text.index(DEMO_BEGIN), text.index(DEMO_END) + len(DEMO_END)
+    expected = demo_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
+    assert text[start:end] == expected, "README's demo block is stale: run `fastanchor bench readme`"
+    assert f"fidelity/{DEMO_TAG}/fidelity-cpu.md" in expected and "| masking |" in expected and "Not yet" not in expected
+    fidelity_rows = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
+    for arm in ("standard", "vanilla", "masking"):  # the same means as the fidelity block's rows of that file
+        row = next(line for line in expected.splitlines() if f"| {arm} |" in line)
+        full = next(line for line in fidelity_rows.splitlines() if f"({DEMO_TAG}) | {arm} |" in line)
+        assert row.split(" | ")[-4:] == full.split(" | ")[-4:]
 
 
 def test_arms_settings_from_the_recipe():

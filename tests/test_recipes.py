@@ -2,8 +2,8 @@
 names, on a tiny dataset of its shape (ImageNet-shaped JPEGs in four classes for the ImageNet recipes,
 at scaled-down resolutions; small CIFAR python-pickle directories for the CIFAR recipes; the real
 models); their learning-rate
-and resolution schedules against hand-computed values; recipe inheritance; the README's recipe
-tables are the generated ones."""
+and resolution schedules against hand-computed values; recipe inheritance; the recipe tables of
+docs/recipes.md are the generated ones."""
 
 import json
 import math
@@ -19,7 +19,8 @@ from fastanchor.trainer.recipes import batch_for, launch_command, load_recipe, r
 from fastanchor.trainer.schedule import lr_factor, peak_lr
 
 RECIPES = [name for name in recipe_names() if "/" in name]
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPO = Path(__file__).resolve().parent.parent
+RECIPES_PAGE = REPO / "docs" / "recipes.md"  # the recipe tables' page (the README links to it)
 TINY_BATCH = 4
 
 
@@ -198,10 +199,11 @@ def test_commands_keep_the_published_global_batch():
 
 def test_readme_recipe_tables_are_the_generated_ones(tmp_path):
     block = readme_block()
-    assert block in README.read_text(), "README's recipe tables are stale: run `fastanchor recipes --readme README.md`"
+    assert block in RECIPES_PAGE.read_text(), \
+        "docs/recipes.md's recipe tables are stale: run `fastanchor recipes --readme docs/recipes.md`"
     for name in RECIPES:
         assert f"`{name}`" in block
-    results = README.parent / "benchmarks" / "results"
+    results = REPO / "benchmarks" / "results"
     for line in block.splitlines():
         if line.startswith("| `"):  # a recipe row: its throughput is measured in a committed result file, or said not to be
             cell = line.rstrip(" |").rsplit(" | ", 1)[1]

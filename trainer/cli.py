@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prints the recipe tables (Markdown) generated from the recipe files: what each trains, the published "
                     "result it aims at and its source, the commands for 1 and 8 GPUs, and measured throughput where a "
                     "benchmark result names the recipe. A recipe runs by its name: fastanchor train --config NAME.")
-    recipes.add_argument("--readme", default="", metavar="README.md",
-                         help="rewrite the generated block between the recipe markers in this file instead of printing")
+    recipes.add_argument("--readme", default="", metavar="FILE.md",
+                         help="rewrite the generated block between the recipe markers in this file (docs/recipes.md) "
+                              "instead of printing")
 
     demo = commands.add_parser("demo", help="train standard and anchored models on the embedded dataset and compare them",
                                epilog=options, formatter_class=formatter)
