@@ -27,7 +27,9 @@ $(STAMP): pyproject.toml constraints.txt
 	fi
 	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,dali,test]"
+	@# setuptools says, for every editable install of a package whose root is the repository (it needs a meta
+	@# path finder), "Editable installation ... may take precedence": informational only; that one notice is filtered.
+	PYTHONWARNINGS="ignore:Editable installation" $(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,dali,test]"
 	@touch $(STAMP)
 
 clean:

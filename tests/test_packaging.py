@@ -5,6 +5,8 @@ files). The wheel is installed with `pip install --no-deps --target` beside this
 dependencies, so no torch is downloaded."""
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -83,3 +85,20 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     assert "train" in run(script, "--help")
     listed = run(script, "recipes")
     assert all(f"`{name}`" in listed for name in recipe_names() if "/" in name)
+
+
+def test_makefile_editable_install_prints_no_warning(tmp_path):
+    """`make setup`'s editable install builds its editable wheel (setuptools' build_editable, what pip runs) with the
+    Makefile's own environment for pip: the backend prints no warning."""
+    line = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "pip install" in line and " -e " in line)
+    environment = dict(token.split("=", 1) for token in shlex.split(line) if re.fullmatch(r"[A-Z_]+=.*", token))
+    source = tmp_path / "fastanchor"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "data", "runs", "results"))
+    build = "from setuptools import build_meta; build_meta.build_editable(sys.argv[1])"
+    result = subprocess.run([sys.executable, "-c", f"import sys; {build}", str(tmp_path / "wheel")], capture_output=True,
+                            text=True, cwd=source, timeout=600, env={**os.environ, **environment})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "wheel").glob("fastanchor-*.whl"))
+    output = result.stdout + result.stderr
+    assert "warning" not in output.lower() and "!!" not in output, output[-3000:]
