@@ -82,7 +82,7 @@ def run_op_benchmark(options: OpOptions, command: str):
     step_model = by_device(options.step_model, "fastanchor_resnet_tiny", "resnet50", cuda)
 
     if options.dtype == "auto":
-        from fastanchor.trainer.train import amp_dtype
+        from fastanchor.trainer.build import amp_dtype
 
         dtype = amp_dtype(options.amp, device) or torch.float32
     else:

@@ -18,7 +18,7 @@ def usable_cpus() -> int:
 
 
 def resolve_device(name: str) -> torch.device:
-    from fastanchor.trainer.train import resolve_device as trainer_resolve_device
+    from fastanchor.trainer.build import resolve_device as trainer_resolve_device
 
     return trainer_resolve_device(name)
 

@@ -51,6 +51,7 @@ from fastanchor.trainer.errors import ConfigError, DataError
 from fastanchor.trainer.evaluate import CONVENTIONS, load_for_inference, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct
+from fastanchor.trainer.run_folder import RunFolder
 from fastanchor.trainer.schedule import peak_lr
 from fastanchor.trainer.train import train
 
@@ -239,11 +240,12 @@ def run_trainer_arm(config: Config, run_dir: Path, data: Decoded, device: torch.
     for key, value in (("train.out_dir", str(run_dir.parent)), ("train.run_name", run_dir.name),
                        ("train.keep_checkpoints", 1), ("train.progress", options.progress)):
         set_value(config, key, value)
-    resumed = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("*.pt"))
+    folder = RunFolder(run_dir)
+    resumed = folder.checkpoints.is_dir() and any(folder.checkpoints.glob("*.pt"))
     started = time.perf_counter()
     train(config, resume="auto")
     seconds = time.perf_counter() - started
-    model, loaded, state = load_for_inference(run_dir / "final.pt", device)
+    model, loaded, state = load_for_inference(folder.final, device)
     recalibrate_batchnorm(model, loaded, data.classes, device)  # when eval.recalibrate_bn asks (precise BN)
     anchored = loaded.anchor.enabled
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
@@ -256,11 +258,11 @@ def run_trainer_arm(config: Config, run_dir: Path, data: Decoded, device: torch.
 
     metrics = evaluate_arm(make_predict, data, desc=run_dir.name, progress=options.progress, **evaluation)
     epoch_images = len(data.train_images) // config.data.batch_size * config.data.batch_size
-    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train_images_per_s"' in line]
+    epochs = [json.loads(line) for line in folder.metrics.read_text().splitlines() if '"train_images_per_s"' in line]
     loop_seconds = sum(epoch_images / record["train_images_per_s"] for record in epochs) if not resumed else None
     if not options.keep_checkpoints:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        (run_dir / "final.pt").unlink(missing_ok=True)
+        shutil.rmtree(folder.checkpoints, ignore_errors=True)
+        folder.final.unlink(missing_ok=True)
     return {**metrics, "train_seconds": seconds, "train_loop_seconds": loop_seconds, "resumed_training": resumed,
             "train_run": str(run_dir)}
 

@@ -39,7 +39,7 @@ class TrainingSetup:
     def __init__(self, model_name: str, image_size: int, *, anchored: bool, device: torch.device, amp: str,
                  channels_last: bool, compile: bool, num_classes: int, seed: int):
         from fastanchor.trainer.build import build_model
-        from fastanchor.trainer.train import amp_dtype, make_optimizer
+        from fastanchor.trainer.build import amp_dtype, make_optimizer
 
         config = Config()
         config.model.name = model_name

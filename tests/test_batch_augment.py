@@ -184,7 +184,7 @@ def test_the_cifar_models_have_the_published_sizes():
 
 
 def test_timm_no_weight_decay_parameters_are_exempt():
-    from fastanchor.trainer.train import parameter_groups
+    from fastanchor.trainer.build import parameter_groups
 
     model = create_model("vit_tiny_patch16_224", 4, anchored=False, image_size=32)
     decay, exempt = parameter_groups(model, 0.05)

@@ -7,7 +7,7 @@ import json
 import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.data import eval_loader, split_index
-from fastanchor.trainer import train as train_module
+from fastanchor.trainer import build as build_module
 from fastanchor.trainer.evaluate import load_for_inference
 from fastanchor.trainer.inference import predict
 
@@ -20,13 +20,13 @@ def module_tree(model: torch.nn.Module) -> dict:
 
 def test_blurpool_model_is_evaluated_as_trained(tiny_dataset, tmp_path, monkeypatch):
     built = []
-    build = train_module.build_model
+    build = build_module.build_model
 
     def spy(*args, **kwargs):
         built.append(build(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(train_module, "build_model", spy)  # keeps the trained model to compare with
+    monkeypatch.setattr(build_module, "build_model", spy)  # keeps the trained model to compare with
     # one epoch at lr 0.01 (deterministic on the CPU): 29.2% validation top-1 on 24 images, where the same weights
     # without BlurPool score 25.0% (at the default lr both sit at chance and the top-1 check alone would not tell)
     result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{

@@ -3,7 +3,7 @@
 import torch
 
 from fastanchor.trainer.models import create_model
-from fastanchor.trainer.train import amp_dtype, parameter_groups
+from fastanchor.trainer.build import amp_dtype, parameter_groups
 
 
 def test_precision_choice():

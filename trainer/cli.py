@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
                       f"report {report_path})")
     elif args.command == "train":
         from fastanchor.trainer.resume import resume_config
+        from fastanchor.trainer.run_folder import RunFolder
         from fastanchor.trainer.train import train
 
         if args.resume not in (None, "auto"):
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             config = load_config(args.config or "demo", args.overrides)
         run_dir = train(config, resume=args.resume)
         if os.environ.get("RANK", "0") == "0":  # under torchrun, the main process speaks for all
-            if (run_dir / "final.pt").exists():
+            if RunFolder(run_dir).final.exists():
                 print(f"run written to {run_dir} (metrics.jsonl, config.yaml, checkpoints/, final.pt)")
             else:  # train.max_steps stopped it first
                 print(f"stopped after train.max_steps = {config.train.max_steps} steps: {run_dir} holds "
@@ -210,11 +211,12 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(evaluate_checkpoint(Path(args.checkpoint), args.overrides, args.device), indent=2))
     elif args.command == "finetune-ood":
-        from fastanchor.trainer.finetune_ood import finetune_ood, markdown_table, output_directory
+        from fastanchor.trainer.finetune_ood import finetune_ood, markdown_table
+        from fastanchor.trainer.run_folder import RunFolder
 
         summary = finetune_ood(Path(args.checkpoint), args.overrides, args.device, args.out)
         print(markdown_table(summary["before"], summary["after"]))
-        out = Path(args.out) if args.out else output_directory(Path(args.checkpoint))
+        out = Path(args.out) if args.out else RunFolder.of_checkpoint(args.checkpoint).finetune_ood
         print(f"fine-tuned checkpoint, summary.json, summary.md and metrics.jsonl written to {out}")
     elif args.command == "robustness":
         from fastanchor.trainer.robustness import RobustnessSpec, robustness_over_training

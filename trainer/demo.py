@@ -14,6 +14,7 @@ from fastanchor.trainer.config import Config
 from fastanchor.trainer.evaluate import evaluate_checkpoint
 from fastanchor.trainer.finetune_ood import finetune_ood, summary_rows
 from fastanchor.trainer.train import train
+from fastanchor.trainer.run_folder import RunFolder
 
 
 def comparison_rows(results: dict[str, dict]) -> list[tuple[str, list[str]]]:
@@ -65,10 +66,10 @@ def run_demo(config: Config, out_dir: Path) -> Path:
               + (f", alpha {run_config.anchor.alpha} ({run_config.anchor.mask_level} masking)" if run_config.anchor.enabled else ""))
         run_dir = train(run_config)
         print(f"== {kind} evaluation")
-        results[kind] = evaluate_checkpoint((run_dir / "final.pt").resolve(), device=run_config.train.device,
+        results[kind] = evaluate_checkpoint(RunFolder(run_dir).final.resolve(), device=run_config.train.device,
                                             progress=run_config.train.progress)
         print(f"== {kind} OOD fine-tuning (SFT: {run_config.finetune_ood.optimizer}, {run_config.finetune_ood.steps} steps)")
-        sft[kind] = finetune_ood(run_dir / "final.pt", device=run_config.train.device, progress=run_config.train.progress)
+        sft[kind] = finetune_ood(RunFolder(run_dir).final, device=run_config.train.device, progress=run_config.train.progress)
     table = markdown_table(results)
     note = results["anchored"].get("ood", {}).get("convention", "")
     summary = (f"# fastanchor demo\n\n{table}\n\nAccuracy of anchored models uses one random reference per test sample; "

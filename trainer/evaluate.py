@@ -36,7 +36,7 @@ from fastanchor.pipeline.eval_sets import EvalSet, loader_for, ood_sets, shift_s
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
-from fastanchor.trainer.build import build_model
+from fastanchor.trainer.build import build_model, resolve_device
 from fastanchor.trainer.checkpoint import atomic_write_bytes, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
 from fastanchor.trainer.errors import ConfigError
@@ -56,8 +56,8 @@ from fastanchor.trainer.metrics import (
     topk_correct,
 )
 from fastanchor.trainer.models import ModelError
+from fastanchor.trainer.run_folder import RunFolder
 from fastanchor.trainer.tensorboard_log import EventLog
-from fastanchor.trainer.train import resolve_device
 
 CONVENTIONS = {
     "id": ("ID is the positive class (the SFT and RankFeat papers' convention): every score is higher for more "
@@ -339,9 +339,9 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
 
     if e.plots:
         result["plots"] = write_plots(path, result, reliability_groups, ood_score_values, e.ece_bins)
-    atomic_write_bytes(result_path(path), lambda handle: handle.write(json.dumps(result, indent=2).encode()))
+    atomic_write_bytes(RunFolder.of_checkpoint(path).evaluation_of(path), lambda handle: handle.write(json.dumps(result, indent=2).encode()))
     if config.train.tensorboard:
-        events = EventLog(run_directory_of(path))
+        events = EventLog(RunFolder.of_checkpoint(path).root)
         events.log_evaluation(result, state.get("step", 0))
         events.close()
     return result
@@ -375,12 +375,12 @@ def write_ood_scores(checkpoint: Path, values: dict) -> str:
     for histograms drawn later; returns the file's path relative to the run directory."""
     arrays = {f"id/{score}": v for score, v in values["id"].items()}
     arrays.update({f"{name}/{score}": v for name, scores in values["ood"].items() for score, v in scores.items()})
-    target = result_path(checkpoint)
-    target = target.with_name("ood_scores.npz" if target.name == "eval.json" else target.name.replace(".eval.json", ".ood_scores.npz"))
+    folder = RunFolder.of_checkpoint(checkpoint)
+    target = folder.ood_scores_of(checkpoint)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     atomic_write_bytes(target, lambda handle: handle.write(buffer.getvalue()))
-    return str(target.relative_to(run_directory_of(checkpoint)))
+    return str(target.relative_to(folder.root))
 
 
 def severity_means(shift_results: dict) -> dict:
@@ -395,8 +395,8 @@ def severity_means(shift_results: dict) -> dict:
 def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_values: dict | None, bins: int) -> dict:
     from fastanchor.trainer.plots import reliability_diagram, score_histogram_panels, severity_chart, write_png
 
-    run_dir = run_directory_of(checkpoint)
-    folder = run_dir / "plots" if result_path(checkpoint) == run_dir / "eval.json" else run_dir / "plots" / checkpoint.stem
+    run = RunFolder.of_checkpoint(checkpoint)
+    folder = run.plots_of(checkpoint)
     plots = {}
     groups = {name: tuple(np.concatenate(part) for part in zip(*pairs)) for name, pairs in reliability_groups.items()}
     write_png(folder / "reliability.png", reliability_diagram(groups, bins))
@@ -409,19 +409,4 @@ def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_va
                   for b, by in result["severity_mean_top1"].items()}
         write_png(folder / "accuracy_vs_severity.png", severity_chart(curves, title="Accuracy under corruption"))
         plots["accuracy_vs_severity"] = folder / "accuracy_vs_severity.png"
-    return {name: str(p.relative_to(run_dir)) for name, p in plots.items()}
-
-
-def run_directory_of(checkpoint: Path) -> Path:
-    resolved = checkpoint.resolve()
-    return resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
-
-
-def result_path(checkpoint: Path) -> Path:
-    """<run>/eval.json for a run's final checkpoint, <checkpoint>.eval.json for any other."""
-    resolved = checkpoint.resolve()
-    run_dir = run_directory_of(checkpoint)
-    final = run_dir / "final.pt"
-    if final.exists() and final.resolve() == resolved:
-        return run_dir / "eval.json"
-    return resolved.with_suffix(".eval.json")
+    return {name: str(p.relative_to(run.root)) for name, p in plots.items()}

@@ -54,7 +54,8 @@ from fastanchor.trainer.errors import ConfigError, DataError, TrainingError
 from fastanchor.trainer.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
 from fastanchor.trainer.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
-from fastanchor.trainer.train import amp_dtype, resolve_device, seed_everything
+from fastanchor.trainer.build import amp_dtype, resolve_device, seed_everything
+from fastanchor.trainer.run_folder import RunFolder
 
 CONVENTION = CONVENTIONS["id"]
 
@@ -67,13 +68,6 @@ def jigsaw_grids(config: Config) -> list[int]:
         raise ConfigError(f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: every grid is larger than data.image_size = {size}: "
                           f"expected at least one grid of 2 to {size} patches per side")
     return grids
-
-
-def output_directory(checkpoint: Path) -> Path:
-    """<run>/finetune_ood for a checkpoint in <run>/ or <run>/checkpoints/ (final.pt is followed)."""
-    resolved = Path(checkpoint).resolve()
-    run_dir = resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
-    return run_dir / "finetune_ood"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +232,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     device = resolve_device(device)
     model, config, state = load_for_inference(path, device, overrides)
     f, d = config.finetune_ood, config.data
-    out = Path(out_dir) if out_dir else output_directory(path)
+    out = Path(out_dir) if out_dir else RunFolder.of_checkpoint(path).finetune_ood
     if (out / "summary.json").exists():
         raise ConfigError(f"'{out / 'summary.json'}' already exists: pass another output directory (--out) to keep it")
     grids = jigsaw_grids(config)

@@ -41,9 +41,9 @@ from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.checkpoint import atomic_write_bytes
 from fastanchor.trainer.errors import ConfigError
 from fastanchor.trainer.evaluate import load_for_inference
-from fastanchor.trainer.train import resolve_device
+from fastanchor.trainer.build import resolve_device
+from fastanchor.trainer.run_folder import RunFolder
 
-RESULT_NAME = "linear_probe.json"
 
 
 @dataclass
@@ -225,11 +225,6 @@ def probe_top1(probe: LinearProbe, features: torch.Tensor, labels: torch.Tensor)
 # The command
 
 
-def run_dir_of(checkpoint: Path) -> Path:
-    resolved = Path(checkpoint).resolve()
-    return resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent
-
-
 def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") -> dict:
     """Train the standard (or anchored and unmasked) probe(s) of one checkpoint; write <run>/linear_probe.json."""
     spec.check()
@@ -277,5 +272,5 @@ def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") 
                      "solver": "full-batch L-BFGS (float64) on standardised features, mean loss + l2/2 ||W||^2"},
         "probes": probes,
     }
-    atomic_write_bytes(run_dir_of(checkpoint) / RESULT_NAME, lambda h: h.write(json.dumps(result, indent=2).encode()))
+    atomic_write_bytes(RunFolder.of_checkpoint(checkpoint).linear_probe, lambda h: h.write(json.dumps(result, indent=2).encode()))
     return result

@@ -34,6 +34,7 @@ from fastanchor.trainer.report_tables import (
     benchmark_severity_means,
     table_cells,
 )
+from fastanchor.trainer.run_folder import RunFolder
 
 SCORES_FILE = "ood_scores.npz"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -67,7 +68,7 @@ def run_is_anchored(run_dir: Path, files: list[dict | None]) -> bool:
     for data in files:
         if isinstance(data, dict) and isinstance(data.get("anchored"), bool):
             return data["anchored"]
-    config = run_dir / "config.yaml"
+    config = RunFolder(run_dir).config
     if config.is_file():
         return bool(get(yaml.safe_load(config.read_text()), "anchor", "enabled"))
     return False
@@ -77,8 +78,9 @@ def load_run(run_dir: str | Path) -> RunResults:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DataError(f"run directory '{run_dir}' does not exist")
-    files = {"eval": read_json(run_dir / "eval.json"), "robustness": read_json(run_dir / "robustness_over_training.json"),
-             "probe": read_json(run_dir / "linear_probe.json"), "sft": read_json(run_dir / "finetune_ood" / "summary.json")}
+    folder = RunFolder(run_dir)
+    files = {"eval": read_json(folder.eval), "robustness": read_json(folder.robustness),
+             "probe": read_json(folder.linear_probe), "sft": read_json(folder.finetune_ood / "summary.json")}
     if all(v is None for v in files.values()):
         raise DataError(f"run directory '{run_dir}' has no result files: expected eval.json (fastanchor evaluate), "
                         "robustness_over_training.json, linear_probe.json or finetune_ood/summary.json")

@@ -20,6 +20,7 @@ import torch
 from fastanchor.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
 from fastanchor.trainer.errors import CheckpointError, ConfigError
+from fastanchor.trainer.run_folder import RunFolder
 
 CHANGEABLE = (
     "train.progress", "train.tensorboard", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",
@@ -90,7 +91,7 @@ def find_resume_point(config: Config, resume: str | None) -> ResumePoint | None:
     if resume == "auto":
         if not config.train.run_name:
             raise ConfigError("--resume auto needs train.run_name: the run resumed is <train.out_dir>/<train.run_name>")
-        path = latest_checkpoint(Path(config.train.out_dir) / config.train.run_name / "checkpoints")
+        path = latest_checkpoint(RunFolder(Path(config.train.out_dir) / config.train.run_name).checkpoints)
         if path is None:
             return None
     else:
@@ -126,3 +127,11 @@ def restore_rng(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def check_same_processes(point: ResumePoint, world_size: int) -> None:
+    """A run resumes with as many training processes as wrote its checkpoint (same data order, same global batch)."""
+    if point.state["world_size"] != world_size:
+        raise ConfigError(f"checkpoint '{point.path}' was written by {point.state['world_size']} training process(es), "
+                          f"this run has {world_size}: resume with the same number (torchrun --nproc_per_node) "
+                          f"so that the data order and the global batch stay the same")

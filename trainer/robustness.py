@@ -36,9 +36,9 @@ from fastanchor.trainer.effective_robustness import (
 )
 from fastanchor.trainer.errors import ConfigError, DataError
 from fastanchor.trainer.evaluate import collect, load_for_inference
-from fastanchor.trainer.train import resolve_device
+from fastanchor.trainer.build import resolve_device
+from fastanchor.trainer.run_folder import RunFolder
 
-RESULT_NAME = "robustness_over_training.json"
 CHART_NAME = "robustness_over_training.png"
 DEFAULT_BASELINE = "standard-runs"
 
@@ -72,7 +72,7 @@ def epoch_checkpoints(run_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DataError(f"run directory '{run_dir}' does not exist")
-    found = sorted((run_dir / "checkpoints").glob("epoch_*.pt"),
+    found = sorted(RunFolder(run_dir).checkpoints.glob("epoch_*.pt"),
                    key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     if not found:
         raise DataError(f"run directory '{run_dir}' has no per-epoch checkpoints: expected checkpoints/epoch_XXX.pt")
@@ -227,5 +227,5 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     for run_dir, run in zip(run_dirs, runs):
         run["chart"] = os.path.relpath(chart, Path(run_dir).resolve())
         text = json.dumps(run, indent=2).encode()
-        atomic_write_bytes(Path(run_dir) / RESULT_NAME, lambda handle, text=text: handle.write(text))
+        atomic_write_bytes(RunFolder(run_dir).robustness, lambda handle, text=text: handle.write(text))
     return runs, chart

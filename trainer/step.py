@@ -45,6 +45,14 @@ class TrainStep:
         self.running_stats = UnmaskedRunningStats(model) if unmasked_batchnorm else None
         self.skip_nonfinite, self.processes = skip_nonfinite, processes
 
+    def wrap(self, *, ddp: bool, compile: bool, device: torch.device) -> None:
+        """Call the model through DistributedDataParallel (several processes) and/or torch.compile."""
+        if ddp:
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        if compile:
+            self.forward = torch.compile(self.forward)
+
     @property
     def eval_model(self) -> torch.nn.Module:
         """The network to validate and save: the EMA copy when there is one."""

@@ -1,0 +1,131 @@
+"""A run's folder, in one place: what `fastanchor train` writes and every other command reads.
+
+    <train.out_dir>/<train.run_name>/
+        config.yaml                  the config trained with
+        metrics.jsonl                one line per log step and per epoch (TensorBoard events beside it)
+        checkpoints/epoch_*.pt       (superseded/: newer checkpoints a resume set aside)
+        final.pt                     -> the last epoch's checkpoint
+        eval.json, ood_scores.npz, plots/        `fastanchor evaluate` of final.pt
+        finetune_ood/                `fastanchor finetune-ood`
+        robustness_over_training.json, linear_probe.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.trainer.config import Config
+from fastanchor.trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    config = property(lambda self: self.root / "config.yaml")
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    final = property(lambda self: self.root / "final.pt")
+    eval = property(lambda self: self.root / "eval.json")
+    plots = property(lambda self: self.root / "plots")
+    finetune_ood = property(lambda self: self.root / "finetune_ood")
+    robustness = property(lambda self: self.root / "robustness_over_training.json")
+    linear_probe = property(lambda self: self.root / "linear_probe.json")
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: str | Path) -> RunFolder:
+        """The run a checkpoint belongs to: <run>/checkpoints/x.pt or <run>/final.pt (followed) -> <run>."""
+        resolved = Path(checkpoint).resolve()
+        return cls(resolved.parent.parent if resolved.parent.name == "checkpoints" else resolved.parent)
+
+    @classmethod
+    def for_new_run(cls, config: Config, reuse: bool = False) -> RunFolder:
+        """<out_dir>/<run_name> for a new run; it must not hold anything yet (`reuse`: a run that
+        `--resume auto` starts again because it was stopped before its first checkpoint)."""
+        t = config.train
+        kind = "anchored" if config.anchor.enabled else "standard"
+        name = t.run_name or f"{config.model.name.replace('/', '-')}-{kind}-{datetime.now():%Y%m%d-%H%M%S}"
+        root = Path(t.out_dir) / name
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"run directory '{root}' exists and is not a directory: choose another train.run_name")
+        if not reuse and root.exists() and any(root.iterdir()):
+            raise ConfigError(f"run directory '{root}' already exists and is not empty: choose another train.run_name "
+                              f"(or --resume auto to continue it)")
+        return cls(root)
+
+    def evaluation_of(self, checkpoint: str | Path) -> Path:
+        """Where `fastanchor evaluate` writes: eval.json for the run's final checkpoint, <checkpoint>.eval.json for another."""
+        resolved = Path(checkpoint).resolve()
+        if self.final.exists() and self.final.resolve() == resolved:
+            return self.eval
+        return resolved.with_suffix(".eval.json")
+
+    def ood_scores_of(self, checkpoint: str | Path) -> Path:
+        """The per-sample OOD scores beside the checkpoint's evaluation (ood_scores.npz, or <checkpoint>.ood_scores.npz)."""
+        result = self.evaluation_of(checkpoint)
+        return result.with_name("ood_scores.npz" if result == self.eval else result.name.replace(".eval.json", ".ood_scores.npz"))
+
+    def plots_of(self, checkpoint: str | Path) -> Path:
+        """plots/ for the final checkpoint, plots/<checkpoint name>/ for another."""
+        return self.plots if self.evaluation_of(checkpoint) == self.eval else self.plots / Path(checkpoint).stem
+
+    def write_config(self, config: Config) -> None:
+        atomic_write_bytes(self.config, lambda handle: handle.write(yaml.safe_dump(config.to_dict(), sort_keys=False).encode()))
+
+    def link_final(self, checkpoint: Path) -> None:
+        """final.pt -> the last epoch's checkpoint (replaced atomically)."""
+        link = self.root / ".final.pt.tmp"
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path(checkpoint).resolve().relative_to(self.root.resolve()))
+        os.replace(link, self.final)
+
+    def keep_metrics_until(self, step: int) -> None:
+        """Drop the metric lines after `step` (a resumed run writes them again) and a torn last line."""
+        if not self.metrics.exists():
+            return
+        kept = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        atomic_write_bytes(self.metrics, lambda handle: handle.write("".join(kept).encode()))
+
+
+class MetricsLog:
+    """metrics.jsonl (and TensorBoard events with `tensorboard`) of a training run; a resumed run from `step`
+    drops what an interrupted attempt logged after it and appends. `enabled` False (ranks > 0): logs nothing."""
+
+    def __init__(self, folder: RunFolder, *, resumed_at: int | None, tensorboard: bool, enabled: bool = True):
+        self.file, self.events = None, None
+        if not enabled:
+            return
+        if resumed_at is not None:
+            folder.keep_metrics_until(resumed_at)
+        self.file = open(folder.metrics, "a" if resumed_at is not None else "w")
+        if tensorboard:
+            from fastanchor.trainer.tensorboard_log import EventLog  # tensorboard is optional
+
+            self.events = EventLog(folder.root, first_step=(resumed_at or 0) + 1)
+
+    def __call__(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.events is not None:
+            self.events.log(record)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.events is not None:
+            self.events.close()
