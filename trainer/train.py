@@ -24,25 +24,17 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from fastanchor.errors import ConfigError, TrainingError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
-from fastanchor.pipeline.data import (
-    ensure_dataset,
-    eval_loader,
-    evaluation_is_sharded,
-    iterate_from,
-    reference_images,
-    split_index,
-    train_loader,
-)
 from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
+from fastanchor.pipeline.data import evaluation_is_sharded, iterate_from
 from fastanchor.pipeline.erasing import RandomErasing
 from fastanchor.pipeline.mixing import BatchMixer
-from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.batchnorm import UnmaskedRunningStats
-from fastanchor.trainer.build import build_model
+from fastanchor.trainer.build import build_model, ensure_dataset, eval_loader, reference_images, split_index, train_loader
 from fastanchor.trainer.checkpoint import (
-    atomic_write_bytes,
     checkpoint_name,
     prune_checkpoints,
     remove_temporaries,
@@ -60,13 +52,12 @@ from fastanchor.trainer.distributed import (
     start_processes,
     stop_processes,
 )
-from fastanchor.trainer.errors import ConfigError, TrainingError
 from fastanchor.trainer.inference import predict
-from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.loss_window import LossWindow, finite_on_every_process, nonfinite_tensors
+from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.metrics import topk_correct
 from fastanchor.trainer.resume import ResumePoint, capture_rng, find_resume_point, restore_rng
-from fastanchor.trainer.schedule import lr_factor, peak_lr
+from fastanchor.trainer.schedule import lr_factor, peak_lr, training_resolution
 from fastanchor.trainer.tensorboard_log import EventLog
 
 
