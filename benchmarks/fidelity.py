@@ -41,13 +41,13 @@ from fastanchor.benchmarks.common import apply_threads, resolve_device
 from fastanchor.benchmarks.fidelity_control import ControlSettings, train_control
 from fastanchor.benchmarks.options import FidelityOptions, names_list
 from fastanchor.benchmarks.results import device_tag, environment, git_commit
-from fastanchor.pipeline.data import ensure_dataset, split_index
+from fastanchor.errors import ConfigError, DataError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.trainer.build import ensure_dataset, split_index
 from fastanchor.trainer.config import Config, load_config, set_value, validate
-from fastanchor.trainer.errors import ConfigError, DataError
 from fastanchor.trainer.evaluate import CONVENTIONS, load_for_inference, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct

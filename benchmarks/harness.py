@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from fastanchor.trainer.errors import ConfigError
+from fastanchor.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from fastanchor.benchmarks.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_available, time_epoch
 from fastanchor.benchmarks.options import ImageDataOptions, LoaderOptions, by_device, names_list
 from fastanchor.benchmarks.results import opencv_jpeg
+from fastanchor.errors import ConfigError
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.trainer.errors import ConfigError
 
 UNIT = "images/s"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import _opt as option
-from fastanchor.trainer.errors import ConfigError
 
 LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg")  # the built-in entries of benchmarks.loaders.LOADERS
 OP_PATHS = ("torch", "triton", "numba")

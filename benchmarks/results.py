@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes
 
 SCHEMA = "fastanchor-bench-v1"
 REPO_ROOT = Path(__file__).resolve().parent.parent

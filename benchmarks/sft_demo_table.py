@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes
 
 HEADER = """# SFT on the demo models: a settings sweep
 

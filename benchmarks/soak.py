@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.data import ensure_beton, ensure_dataset, split_index, train_loader
 from fastanchor.pipeline.references import ReferenceBank
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.trainer.build import ensure_beton, ensure_dataset, split_index, train_loader
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.models import create_model

@@ -94,7 +94,7 @@ class StepPlan:
 
 def model_at_resolution(config: Config) -> tuple[str, int]:
     """A recipe's model and its first-epoch training resolution (progressive resizing starts there)."""
-    from fastanchor.pipeline.progressive import training_resolution
+    from fastanchor.trainer.schedule import training_resolution
 
     return config.model.name, training_resolution(config.data, 0)
 

@@ -33,10 +33,10 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from fastanchor.errors import DataError
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
 from fastanchor.pipeline.references import ReferenceSource
-from fastanchor.trainer.errors import DataError
 
 
 def anchored(

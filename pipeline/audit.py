@@ -13,9 +13,9 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from fastanchor.errors import DataError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.imagefolder import IMAGE_EXTENSIONS, ImageFolderIndex
-from fastanchor.trainer.checkpoint import atomic_write_bytes
-from fastanchor.trainer.errors import DataError
 
 _FORMAT_EXTENSIONS = {"JPEG": (".jpg", ".jpeg"), "PNG": (".png",), "BMP": (".bmp",), "WEBP": (".webp",),
                       "PPM": (".ppm",), "TIFF": (".tif", ".tiff")}

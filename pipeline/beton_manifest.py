@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fastanchor.errors import DataError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.imagefolder import IGNORED_FILES, ImageFolderIndex
-from fastanchor.trainer.checkpoint import atomic_write_bytes
-from fastanchor.trainer.errors import DataError
 
 FORMAT = "fastanchor-beton-manifest"
 VERSION = 1

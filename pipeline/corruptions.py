@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastanchor.errors import ConfigError
 from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_CORRUPTIONS, corrupt_bar
 from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS, corrupt_small
-from fastanchor.trainer.errors import ConfigError
 
 IMAGENET_C_CORRUPTIONS = (
     "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",

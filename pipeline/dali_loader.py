@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.torchvision_loader import load_rgb
-from fastanchor.trainer.errors import ConfigError, DataError
 
 _ORDER_TAG, _AUGMENT_TAG = 0x44414C49, 0x41554745  # keep the order and augmentation streams apart
 

@@ -9,7 +9,8 @@ Shift sets (accuracy and calibration under distribution shift):
 - ImageNet-R with the 200-class logit mask, and any ImageFolder with the checkpoint's classes (ImageNet-Sketch, ...).
 OOD sets (anomaly rejection): the data.ood_split folder and any named ImageFolder.
 
-Every set yields (uint8 [3, H, W] image, label) decoded with the validation transform.
+Every set yields (uint8 [3, H, W] image, label) decoded with the validation transform. Which sets a
+config asks for is read in trainer/build.py (`shift_sets`, `ood_sets`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_LEVELS
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, TorchvisionLoader, eval_transform
-from fastanchor.trainer.config import Config, DataConfig
-from fastanchor.trainer.errors import ConfigError, DataError
+from fastanchor.errors import ConfigError, DataError
+from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.torchvision_loader import DecodedImages
 
 IMAGENET_R_WNIDS_FILE = Path(__file__).with_name("imagenet_r_wnids.txt")
 SET_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -48,11 +47,6 @@ class EvalSet:
     def summary(self) -> dict:
         return {"kind": self.kind, "benchmark": self.benchmark, "corruption": self.corruption, "severity": self.severity,
                 "source": self.source, "images": len(self.dataset)}
-
-
-def loader_for(dataset: Dataset, data: DataConfig, device: torch.device) -> TorchvisionLoader:
-    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=data.workers, device=device)
 
 
 def parse_named_path(entry: str, key: str) -> tuple[str, Path]:
@@ -188,55 +182,6 @@ def folder_set(name: str, root: Path, key: str, kind: str, benchmark: str, trans
         raise DataError(f"{key}: '{root}' does not exist: expected an ImageFolder tree <class>/<image>")
     index = scan_image_folder(root, classes)
     return EvalSet(name, kind, benchmark, str(root), DecodedImages(index, transform), class_subset=class_subset)
-
-
-# ----------------------------------------------------------------------------------------------
-# All sets of a config
-
-
-def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, ...]) -> list[EvalSet]:
-    """Every shift set the config asks for (paths checked, trees scanned), each subset to eval.max_images."""
-    e, d = config.eval, config.data
-    transform = eval_transform(d.image_size, d.crop_ratio)
-    on_the_fly = f"on the fly from {val_index.root}"
-    sets = [EvalSet(f"{name}@{severity}", "corruption", benchmark, on_the_fly,
-                    DecodedImages(val_index, transform, Corruption(name, severity, e.seed, parameters)), name, severity)
-            for names, benchmark, parameters in ((e.corruptions, e.corruption_parameters, e.corruption_parameters),
-                                                 (e.corruptions_bar, "imagenet-c-bar", "imagenet-c"))
-            for name in names for severity in e.severities]
-    if e.c_root:
-        sets += corruption_tree_sets(Path(e.c_root), "eval.c_root", "imagenet-c-files", e.severities, classes, transform)
-    if e.c_bar_root:
-        sets += corruption_tree_sets(Path(e.c_bar_root), "eval.c_bar_root", "imagenet-c-bar-files", e.severities, classes,
-                                     transform, IMAGENET_C_BAR_LEVELS)
-    if e.cifar_c_root:
-        sets += cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform)
-    if e.imagenet_r:
-        mask = imagenet_r_class_subset(classes)
-        sets.append(folder_set("imagenet-r", Path(e.imagenet_r), "eval.imagenet_r", "dataset", "imagenet-r", transform,
-                               tuple(classes[i] for i in mask), mask))
-    for entry in e.datasets:
-        name, path = parse_named_path(entry, "eval.datasets")
-        sets.append(folder_set(name, path, "eval.datasets", "dataset", "dataset", transform, classes))
-    return [limit(s, e.max_images, e.seed) for s in sets]
-
-
-def ood_sets(config: Config) -> list[EvalSet]:
-    e, d = config.eval, config.data
-    transform = eval_transform(d.image_size, d.crop_ratio)
-    sets = []
-    if d.ood_split:
-        root = Path(d.root) / d.ood_split
-        if not root.is_dir():
-            raise DataError(f"OOD split '{root}' does not exist: set data.ood_split='' to skip anomaly rejection")
-        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform))
-    for entry in e.ood_sets:
-        name, path = parse_named_path(entry, "eval.ood_sets")
-        sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform))
-    names = [s.name for s in sets]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}); choose another name")
-    return [limit(s, e.max_images, e.seed) for s in sets]
 
 
 def limit(eval_set: EvalSet, max_images: int, seed: int) -> EvalSet:

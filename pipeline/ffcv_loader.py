@@ -36,9 +36,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fastanchor.errors import ConfigError, DataError
+from fastanchor.files import current_umask, fsync_directory
 from fastanchor.pipeline.imagefolder import ImageFolderIndex
 from fastanchor.pipeline.torchvision_loader import load_rgb
-from fastanchor.trainer.errors import ConfigError, DataError
 
 IMAGE_FIELD = "image"
 LABEL_FIELD = "label"
@@ -353,9 +354,9 @@ def write_beton(
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         info = _verify(tmp, path, index)
-        os.chmod(tmp, 0o644 & ~_umask())
+        os.chmod(tmp, 0o644 & ~current_umask())
         os.replace(tmp, path)
-        _fsync_directory(path.parent)
+        fsync_directory(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -398,20 +399,6 @@ def _verify(tmp: str | Path, path: Path, index: ImageFolderIndex) -> BetonInfo:
         raise DataError(f"written FFCV dataset '{path}' has labels that differ from '{index.root}' "
                         f"(histogram {got}, expected {want})")
     return info
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fastanchor.trainer.errors import DataError
+from fastanchor.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "fastanchor-imagenet-shaped"

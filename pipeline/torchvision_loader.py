@@ -16,9 +16,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
+from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.corruptions import corrupt_image
 from fastanchor.pipeline.imagefolder import ImageFolderIndex
-from fastanchor.trainer.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)

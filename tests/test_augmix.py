@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
-from fastanchor.pipeline.data import eval_loader, split_index
 from fastanchor.pipeline.erasing import RandomErasing
+from fastanchor.trainer.build import eval_loader, split_index
 from fastanchor.trainer.config import load_config
 from torchvision.transforms import v2
 
@@ -83,8 +83,7 @@ def test_training_with_augmix_on_the_seeded_loaders(tiny_dataset, tmp_path, load
 
 def test_the_trainers_device_stage_augments_a_real_ffcv_batch(tiny_dataset):
     from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-    from fastanchor.pipeline.data import train_loader
-    from fastanchor.trainer.build import device_augmentations
+    from fastanchor.trainer.build import device_augmentations, train_loader
 
     config = load_config(None, [f"data.root={tiny_dataset}", "data.workers=0", "data.batch_size=8", "data.loader=ffcv",
                                 "augment.augmix=true", "anchor.enabled=false"])

@@ -210,7 +210,7 @@ def test_padded_crop_is_a_shift_of_the_image_or_its_mirror_in_a_black_frame(load
     source image (decoded by PIL; FFCV stores the raw pixels), and shifts other than zero do occur."""
     import shutil
 
-    from fastanchor.pipeline.data import split_index, train_loader
+    from fastanchor.trainer.build import split_index, train_loader
     from fastanchor.pipeline.torchvision_loader import load_rgb
     from fastanchor.trainer.config import DataConfig
 

@@ -16,13 +16,13 @@ from PIL import Image
 
 from conftest import run_main
 from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.benchmarks.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
-from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.benchmarks.results import validate_result
+from fastanchor.errors import ConfigError
 from fastanchor.pipeline import imagenet_shaped
 from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.trainer.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--repetitions", "2", "--warmup-rounds", "1", "--no-progress"]

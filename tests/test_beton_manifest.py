@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 
-from fastanchor.pipeline import data as data_module
+from fastanchor.errors import DataError
 from fastanchor.pipeline.beton_manifest import is_current, manifest_path, recorded_index, write_manifest
-from fastanchor.pipeline.data import beton_path, ensure_beton, split_index, train_loader
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.trainer import build as build_module
+from fastanchor.trainer.build import beton_path, ensure_beton, split_index, train_loader
 from fastanchor.trainer.config import DataConfig
-from fastanchor.trainer.errors import DataError
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def no_scan(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the image tree was scanned")
 
-    monkeypatch.setattr(data_module, "scan_image_folder", refuse)
+    monkeypatch.setattr(build_module, "scan_image_folder", refuse)
 
 
 def test_existing_beton_is_used_without_scanning_and_rewritten_when_the_tree_changes(tree, monkeypatch):

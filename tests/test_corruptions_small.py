@@ -4,10 +4,10 @@ imagecorruptions where a CIFAR-10-C parameter equals an ImageNet-C one, and hand
 import numpy as np
 import pytest
 
+from fastanchor.errors import ConfigError
 from fastanchor.pipeline.corruptions import corrupt_image
 from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS, _disc_kernel, corrupt_small
 from fastanchor.trainer.config import Config, validate
-from fastanchor.trainer.errors import ConfigError
 
 
 def _image(seed=0, size=32):

@@ -15,10 +15,10 @@ import torch
 from PIL import Image
 
 from conftest import run_main, tiny_overrides
+from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.dali_loader import DALILoader, shard_bounds
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
-from fastanchor.trainer.errors import ConfigError, DataError
 
 SIZE = 32  # the tiny dataset's image size (tests/conftest.py TINY_SPEC)
 

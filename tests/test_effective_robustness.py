@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from fastanchor.errors import DataError
 from fastanchor.trainer.effective_robustness import (
     Baseline,
     clip_accuracy,
@@ -16,7 +17,6 @@ from fastanchor.trainer.effective_robustness import (
     read_testbed,
     shipped_baselines,
 )
-from fastanchor.trainer.errors import DataError
 from scipy.stats import linregress, norm
 
 

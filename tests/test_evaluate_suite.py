@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
+from fastanchor.errors import DataError
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, normalize
-from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, shift_sets, subset
+from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, subset
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
+from fastanchor.trainer.build import shift_sets
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.errors import DataError
 from fastanchor.trainer.evaluate import Outputs, load_for_inference
 from fastanchor.trainer.metrics import auroc, fpr_at_tpr
 from PIL import Image

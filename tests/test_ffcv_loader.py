@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline import ffcv_loader
 from fastanchor.pipeline.ffcv_loader import FFCVLoader, inspect_beton, write_beton
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
-from fastanchor.trainer.errors import ConfigError, DataError
 
 SIZE = 32  # the tiny dataset's image size (tests/conftest.py TINY_SPEC)
 

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.dali_loader import DALILoader
-from fastanchor.pipeline.data import train_loader
 from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, eval_transform
+from fastanchor.trainer.build import train_loader
 from fastanchor.trainer.config import DataConfig
 
 LOADERS = ("torchvision", "ffcv", "dali")
@@ -123,7 +123,7 @@ def nearest_source(images: torch.Tensor, sources: torch.Tensor, padding: int):
 @pytest.mark.parametrize("crop", ["random_resized", "padded"])
 @pytest.mark.parametrize("kind", LOADERS)
 def test_hflip_false_never_mirrors_a_training_image(kind, crop, train_copy):
-    """Each loader's training images over 3 epochs, built by pipeline.data.train_loader as the trainer
+    """Each loader's training images over 3 epochs, built by trainer.build.train_loader as the trainer
     builds it, with augment.hflip true and false. The crops are made deterministic but for the flip
     and the shift: random_resized with min_scale 1 crops the whole (square) image, and padded crops
     the whole image shifted by up to 4 pixels in a black frame. Each image is then matched to the

@@ -13,8 +13,8 @@ import torch
 import torchvision
 from torch import nn
 
+from fastanchor.errors import ConfigError, FastAnchorError
 import fastanchor.trainer.models as models
-from fastanchor.trainer.errors import ConfigError, FastAnchorError
 from fastanchor.trainer.models import (
     DEMO_MODEL, ModelError, check_model_name, create_model, find_first_layer, find_first_layers, widen_first_layer,
 )

@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision.transforms import v2
 
+from fastanchor.errors import DataError
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.pipeline import AnchoredBatch, anchored
-from fastanchor.trainer.errors import DataError
 from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.models import create_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastanchor.kernels.pseudo_ood import SFT_GRIDS, allowed_grids, channel_shuffle, draw_grid, jigsaw_shuffle, pseudo_ood
-from fastanchor.pipeline.data import eval_loader, split_index
+from fastanchor.trainer.build import eval_loader, split_index
 from fastanchor.trainer.config import load_config
 
 

@@ -141,7 +141,7 @@ def test_transformer_and_cifar_schedules_by_hand():
     ("imagenet/rn50_88_epochs_anchored", {65: 160, 70: 160, 71: 192, 76: 192, 87: 192}),  # 174.5 -> 160, 177.5 -> 192
 ])
 def test_progressive_resizing_schedule_by_hand(name, at):
-    from fastanchor.pipeline.progressive import training_resolution
+    from fastanchor.trainer.schedule import training_resolution
 
     config = load_config(name)
     assert config.data.image_size == 256 and config.data.crop_ratio == 0.875  # evaluation: 256 px of the central 224/256

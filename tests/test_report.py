@@ -12,8 +12,8 @@ import pytest
 import torch
 from browser import image_states
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.data import eval_loader, reference_images
 from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.trainer.build import eval_loader, reference_images
 from fastanchor.trainer.evaluate import load_for_inference
 from fastanchor.trainer.linear_probe import (
     feature_extractor,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import FASTANCHOR, run_main, tiny_overrides
+from fastanchor.errors import CheckpointError
 from fastanchor.trainer.checkpoint import (
     checkpoint_name,
     latest_checkpoint,
@@ -20,7 +21,6 @@ from fastanchor.trainer.checkpoint import (
     remove_temporaries,
     run_order,
 )
-from fastanchor.trainer.errors import CheckpointError
 
 # Deterministic CPU settings; the bank reference source makes the bank's contents part of the state,
 # a DataLoader worker process makes the data order and augmentation cross a process boundary.

@@ -8,12 +8,12 @@ import torch
 import torchvision
 from torch import nn
 
+from fastanchor.errors import ConfigError
 from fastanchor.kernels.pseudo_ood import pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.data import split_index, train_loader
 from fastanchor.pipeline.references import FixedReferenceSet
+from fastanchor.trainer.build import split_index, train_loader
 from fastanchor.trainer.config import load_config
-from fastanchor.trainer.errors import ConfigError
 from fastanchor.trainer.finetune_ood import finetune_mode, perturbed_parameters, sft_loss
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.sam import ascend, normalization_parameters, running_stats_frozen, sam_step

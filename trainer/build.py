@@ -7,6 +7,11 @@ when rebuilding does not always fail loudly: timm's BlurPool filter (``model.blu
 non-persistent buffer, so a model built without it loads the state dict strictly and computes
 something else.
 
+The data: the dataset a config names (generated, decoded or found), each split's index, the
+.beton files, the training and evaluation loaders (the one place that knows which loader a config
+names), the reference images, and the evaluation sets of `fastanchor evaluate`. The pipeline
+modules these call take plain arguments; only this module reads ``data``, ``embedded`` and ``eval``.
+
 Training: `build_training` turns a config into the data, loaders, references, model, optimiser,
 schedule, anchoring stage and step the loop (train.py) runs; also the device, the precision and the
 process settings (threads, determinism, seeds).
@@ -15,22 +20,48 @@ process settings (threads, determinism, seeds).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
+from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
 from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
-from fastanchor.pipeline.data import ensure_dataset, eval_loader, reference_images, split_index, train_loader
+from fastanchor.pipeline.beton_manifest import is_current, recorded_index, write_manifest
+from fastanchor.pipeline.cifar import ensure_cifar_tree
+from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_LEVELS
+from fastanchor.pipeline.dali_loader import DALILoader
+from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
 from fastanchor.pipeline.erasing import RandomErasing
+from fastanchor.pipeline.eval_sets import (
+    EvalSet,
+    cifar_c_sets,
+    corruption_tree_sets,
+    folder_set,
+    imagenet_r_class_subset,
+    limit,
+    parse_named_path,
+)
+from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
+from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.mixing import BatchMixer
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.config import Config
+from fastanchor.pipeline.torchvision_loader import (
+    Corruption,
+    DecodedImages,
+    TorchvisionLoader,
+    eval_transform,
+    load_rgb,
+    train_transform,
+)
+from fastanchor.trainer.config import Config, DataConfig
 from fastanchor.trainer.distributed import Processes, main_first
-from fastanchor.trainer.errors import ConfigError
 from fastanchor.trainer.loss_window import LossWindow
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.resume import ResumePoint
@@ -53,6 +84,179 @@ def build_model(config: Config, num_classes: int, device: torch.device, *, pretr
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Datasets and loaders
+
+
+def ensure_dataset(config: Config, progress: bool = True) -> Path:
+    """Generate the embedded dataset, or decode the CIFAR pickles, into data.root when the config
+    asks for it; return the root."""
+    root = Path(config.data.root)
+    if config.data.dataset == "cifar":
+        d = config.data
+        ensure_cifar_tree(d.cifar_dir, root, (d.train_split, d.val_split), progress=progress)
+    if config.data.dataset == "embedded":
+        e = config.embedded
+        spec = EmbeddedSpec(
+            seed=e.seed, image_size=e.image_size, num_classes=e.num_classes, train_per_class=e.train_per_class,
+            val_per_class=e.val_per_class, ood_per_class=e.ood_per_class, jpeg_quality=e.jpeg_quality,
+        )
+        try:
+            spec.validate()
+            generate_embedded_dataset(root, spec, progress=progress)
+        except ValueError as error:  # the generator's own checks, re-raised as one user-facing line
+            raise DataError(str(error)) from None
+    return root
+
+
+def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = None) -> ImageFolderIndex:
+    """The split's index. With the FFCV loader, an existing .beton whose manifest still matches the
+    tree gives it without opening an image file; otherwise the tree is scanned strictly."""
+    root = Path(data.root) / split
+    if data.loader == "ffcv":
+        recorded = recorded_index(split_beton_path(data, root), root, classes)
+        if recorded is not None:
+            return recorded
+    return scan_image_folder(root, classes)
+
+
+def beton_folder(data: DataConfig) -> Path:
+    """<data.root>/ffcv/<write settings>: recipes that write .betons differently (FFCV's ResNet-50 and
+    ResNet-18 configs store other resolutions) never share or overwrite each other's files."""
+    resolution = f"max{data.ffcv_max_resolution}" if data.ffcv_max_resolution else "full"
+    return Path(data.root) / "ffcv" / f"{resolution}_q{data.ffcv_jpeg_quality}_jpeg{round(100 * data.ffcv_compress_probability)}"
+
+
+def split_beton_path(data: DataConfig, split_root: Path) -> Path:
+    return beton_folder(data) / f"{split_root.name}.beton"
+
+
+def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
+    return split_beton_path(data, index.root)
+
+
+def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = True) -> Path:
+    """The split's .beton, written (verified) with its manifest when missing, or when it was not
+    written from exactly `index` or the tree changed since (see pipeline/beton_manifest.py)."""
+    path = beton_path(data, index)
+    if is_current(path, index):
+        return path
+    write_beton(index, path, max_resolution=data.ffcv_max_resolution or None, jpeg_quality=data.ffcv_jpeg_quality,
+                compress_probability=data.ffcv_compress_probability,
+                workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
+    write_manifest(path, index)
+    return path
+
+
+def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
+                 rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True):
+    """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
+    `policy` is augment.auto_augment (see pipeline.data.check_loader_supports), `hflip` augment.hflip
+    (random horizontal flips, or none); `progress`: the .beton writer's bar, if it writes."""
+    if data.loader == "ffcv":
+        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.batch_size, train=True, image_size=data.image_size,
+                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding, hflip=hflip,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
+                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
+    if data.loader == "dali":
+        return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
+                          crop=data.train_crop, padding=data.crop_padding, policy=policy, hflip=hflip,
+                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
+                          shard_id=rank, num_shards=world_size)
+    transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
+                                           padding=data.crop_padding, policy=policy, hflip=hflip)
+    dataset = DecodedImages(index, transform_for_size(data.image_size))
+    return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
+                             workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,
+                             rank=rank, world_size=world_size)
+
+
+def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
+                *, rank: int = 0, world_size: int = 1, progress: bool = True):
+    """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path).
+
+    With `world_size` > 1 the torchvision loader reads every image exactly once over all processes
+    (sum the counts); FFCV's distributed mode pads shards with repeats, so there every process reads all."""
+    if data.loader == "ffcv" and corruption is None:
+        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
+                          os_cache=data.ffcv_os_cache)
+    if data.loader == "dali" and corruption is None:
+        return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
+                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
+                          shard_id=rank, num_shards=world_size)
+    dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
+    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
+                             workers=data.workers, device=device, rank=rank, world_size=world_size)
+
+
+def reference_images(data: DataConfig, index: ImageFolderIndex, count: int, seed: int) -> torch.Tensor:
+    """`count` training images drawn without replacement, eval-decoded once: uint8 [R, 3, H, W]."""
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(index), generator=generator)[: min(count, len(index))]
+    transform = eval_transform(data.image_size, data.crop_ratio)
+    images = [transform(load_rgb(index.samples[i][0])) for i in chosen.tolist()]
+    return torch.stack(images).contiguous(memory_format=torch.channels_last)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation sets
+
+
+def loader_for(dataset: Dataset, data: DataConfig, device: torch.device) -> TorchvisionLoader:
+    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
+                             workers=data.workers, device=device)
+
+
+def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, ...]) -> list[EvalSet]:
+    """Every shift set the config asks for (paths checked, trees scanned), each subset to eval.max_images."""
+    e, d = config.eval, config.data
+    transform = eval_transform(d.image_size, d.crop_ratio)
+    on_the_fly = f"on the fly from {val_index.root}"
+    sets = [EvalSet(f"{name}@{severity}", "corruption", benchmark, on_the_fly,
+                    DecodedImages(val_index, transform, Corruption(name, severity, e.seed, parameters)), name, severity)
+            for names, benchmark, parameters in ((e.corruptions, e.corruption_parameters, e.corruption_parameters),
+                                                 (e.corruptions_bar, "imagenet-c-bar", "imagenet-c"))
+            for name in names for severity in e.severities]
+    if e.c_root:
+        sets += corruption_tree_sets(Path(e.c_root), "eval.c_root", "imagenet-c-files", e.severities, classes, transform)
+    if e.c_bar_root:
+        sets += corruption_tree_sets(Path(e.c_bar_root), "eval.c_bar_root", "imagenet-c-bar-files", e.severities, classes,
+                                     transform, IMAGENET_C_BAR_LEVELS)
+    if e.cifar_c_root:
+        sets += cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform)
+    if e.imagenet_r:
+        mask = imagenet_r_class_subset(classes)
+        sets.append(folder_set("imagenet-r", Path(e.imagenet_r), "eval.imagenet_r", "dataset", "imagenet-r", transform,
+                               tuple(classes[i] for i in mask), mask))
+    for entry in e.datasets:
+        name, path = parse_named_path(entry, "eval.datasets")
+        sets.append(folder_set(name, path, "eval.datasets", "dataset", "dataset", transform, classes))
+    return [limit(s, e.max_images, e.seed) for s in sets]
+
+
+def ood_sets(config: Config) -> list[EvalSet]:
+    e, d = config.eval, config.data
+    transform = eval_transform(d.image_size, d.crop_ratio)
+    sets = []
+    if d.ood_split:
+        root = Path(d.root) / d.ood_split
+        if not root.is_dir():
+            raise DataError(f"OOD split '{root}' does not exist: set data.ood_split='' to skip anomaly rejection")
+        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform))
+    for entry in e.ood_sets:
+        name, path = parse_named_path(entry, "eval.ood_sets")
+        sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform))
+    names = [s.name for s in sets]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}); choose another name")
+    return [limit(s, e.max_images, e.seed) for s in sets]
+
+
+# ----------------------------------------------------------------------------------------------
+# Device, precision, optimiser, process settings
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,6 +320,10 @@ def make_deterministic() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
 
 
 @dataclass

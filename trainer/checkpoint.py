@@ -1,6 +1,7 @@
 """Checkpoint files: written atomically, loaded without running pickled code, named in run order.
 
-Writing: a temporary file beside the target, fsync, rename over the target, fsync the directory.
+Writing: a temporary file beside the target, fsync, rename over the target, fsync the directory
+(fastanchor/files.py).
 A process killed at any moment leaves either the previous file or the new one, never a torn one;
 a left-over temporary file (`.<name>.<random>.tmp`) is ignored and removed at the next start.
 
@@ -17,50 +18,17 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 
 import torch
 
-from fastanchor.trainer.errors import CheckpointError
+from fastanchor.errors import CheckpointError
+from fastanchor.files import atomic_write_bytes, fsync_directory
 
 FORMAT = "fastanchor-checkpoint-v1"
 _NAME = re.compile(r"^(mid_)?epoch_(\d{3,})(?:_step_(\d{8,}))?\.pt$")
 SUPERSEDED = "superseded"
-
-
-def fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call `write(file_object)` on a temporary file beside `path`, fsync, rename over `path`, fsync the directory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would have given
-        os.replace(tmp, path)
-        fsync_directory(path.parent)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save_checkpoint(path: str | Path, state: dict) -> None:

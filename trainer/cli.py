@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from fastanchor.errors import ConfigError, FastAnchorError
 from fastanchor.trainer.config import describe_options
-from fastanchor.trainer.errors import ConfigError, FastAnchorError
 
 CONFIG_HELP = "recipe: a name under configs/ (e.g. demo) or a YAML file"
 SET_HELP = "override one option, e.g. --set anchor.alpha=0.25 (repeatable; all options listed below)"
@@ -165,14 +165,14 @@ def run(args: argparse.Namespace) -> int:
     from fastanchor.trainer.config import load_config
 
     if args.command == "prepare":
-        from fastanchor.pipeline.data import ensure_dataset
+        from fastanchor.trainer.build import ensure_dataset
 
         config = load_config(args.config, args.overrides)
         root = ensure_dataset(config, progress=config.train.progress)
         print(f"dataset ready in {root}")
         if args.format == "ffcv":
             from fastanchor.pipeline.audit import audit_image_folder
-            from fastanchor.pipeline.data import beton_path, ensure_beton
+            from fastanchor.trainer.build import beton_path, ensure_beton
 
             d = config.data
             splits = [d.train_split, d.val_split] + ([d.ood_split] if d.ood_split else [])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from fastanchor.trainer.errors import ConfigError
+from fastanchor.errors import ConfigError
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -475,9 +475,10 @@ def validate(config: Config) -> None:
         from fastanchor.trainer.models import check_blurpool
 
         check_blurpool(config.model.name)
+    # pipeline is imported late (here and below): it imports torch, which the CLI's --help does not need
     from fastanchor.pipeline.data import check_loader_supports
 
-    check_loader_supports(config)
+    check_loader_supports(config.data.loader, config.augment.auto_augment)
     _check(e.blt_candidates >= 1, f"eval.blt_candidates = {e.blt_candidates}: expected >= 1")
     _check(e.blt_residuals >= 1, f"eval.blt_residuals = {e.blt_residuals}: expected >= 1")
     _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")

@@ -9,7 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.evaluate import evaluate_checkpoint
 from fastanchor.trainer.finetune_ood import finetune_ood, summary_rows

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastanchor.trainer.errors import ConfigError, FastAnchorError
+from fastanchor.errors import ConfigError, FastAnchorError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 from scipy.special import expit, ndtr, ndtri
 from scipy.special import logit as _logit
 
-from fastanchor.trainer.errors import ConfigError, DataError
+from fastanchor.errors import ConfigError, DataError
 
 TESTBED_FITS = Path(__file__).resolve().parent / "testbed_fits.json"
 TRANSFORMS = ("logit", "probit")

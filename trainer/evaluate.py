@@ -30,16 +30,25 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fastanchor.errors import ConfigError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.data import eval_loader, split_index, train_loader
-from fastanchor.pipeline.eval_sets import EvalSet, loader_for, ood_sets, shift_sets, subset
+from fastanchor.pipeline.eval_sets import EvalSet, subset
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
-from fastanchor.trainer.build import build_model, resolve_device
-from fastanchor.trainer.checkpoint import atomic_write_bytes, load_checkpoint
+from fastanchor.trainer.build import (
+    build_model,
+    eval_loader,
+    loader_for,
+    ood_sets,
+    resolve_device,
+    shift_sets,
+    split_index,
+    train_loader,
+)
+from fastanchor.trainer.checkpoint import load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
-from fastanchor.trainer.errors import ConfigError
 from fastanchor.trainer.features import PenultimateTap, react_threshold
 from fastanchor.trainer.inference import BilinearTransduction, predict
 from fastanchor.trainer.metrics import (

@@ -43,14 +43,15 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from tqdm import tqdm
 
+from fastanchor.errors import ConfigError, DataError, TrainingError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage, to_device_batch
-from fastanchor.pipeline.data import eval_loader, split_index, train_loader
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.checkpoint import atomic_write_bytes, save_checkpoint
+from fastanchor.trainer.build import eval_loader, split_index, train_loader
+from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.errors import ConfigError, DataError, TrainingError
 from fastanchor.trainer.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
 from fastanchor.trainer.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step

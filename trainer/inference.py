@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastanchor.kernels import anchor, normalize
+from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
 from fastanchor.pipeline.references import FixedReferenceSet
 
 
@@ -45,8 +45,6 @@ def predict(
 ) -> Prediction:
     """uint8 images [B, 3, H, W] on the model's device -> Prediction; `flip`: test-time
     augmentation, each forward pass averaged with the pass on the mirrored input."""
-    from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
-
     mean = IMAGENET_MEAN_255 if mean is None else mean
     std = IMAGENET_STD_255 if std is None else std
     if not anchored:
@@ -90,8 +88,6 @@ class BilinearTransduction:
 
     def __init__(self, references: FixedReferenceSet, *, num_residuals: int, num_candidates: int,
                  generator: torch.Generator, mean=None, std=None):
-        from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
-
         count = len(references)
         if count < 2:
             raise ValueError("BLT needs at least 2 reference images")

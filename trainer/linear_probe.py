@@ -34,12 +34,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fastanchor.errors import ConfigError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
-from fastanchor.pipeline.data import eval_loader, reference_images
+from fastanchor.pipeline.corruptions import check_corruption_names
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import Corruption
-from fastanchor.trainer.checkpoint import atomic_write_bytes
-from fastanchor.trainer.errors import ConfigError
+from fastanchor.trainer.build import eval_loader, reference_images
 from fastanchor.trainer.evaluate import load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
@@ -61,8 +62,6 @@ class ProbeSpec:
     overrides: tuple = ()
 
     def check(self) -> None:
-        from fastanchor.pipeline.corruptions import check_corruption_names
-
         if not 0.0 <= self.alpha < 1.0:
             raise ConfigError(f"alpha = {self.alpha}: expected a masking probability in [0, 1)")
         if self.views < 1:

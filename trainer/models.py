@@ -25,8 +25,8 @@ from timm.models import build_model_with_cfg, register_model
 from torch import nn
 from torch.nn.utils import parametrize
 
+from fastanchor.errors import ConfigError
 from fastanchor.trainer.classifier_head import PooledLinearHead
-from fastanchor.trainer.errors import ConfigError
 
 __all__ = [
     "ModelError", "TORCHVISION_PREFIX", "DEMO_MODEL", "check_model_name", "create_model",

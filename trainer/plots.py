@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes
+from fastanchor.trainer.effective_robustness import Baseline
 
 STANDARD_COLOURS = ("#1f4e79", "#4f81bd", "#7fa7d9", "#9dc3e6")
 ANCHORED_COLOURS = ("#c0504d", "#e46c0a", "#f79646", "#d99694")
@@ -50,8 +51,6 @@ def effective_robustness_chart(series: list[dict], baseline: dict, title: str = 
     "id_top1", "ood_top1", "effective_robustness"; percent). Points are joined in epoch order and
     the last epoch is labelled.
     """
-    from fastanchor.trainer.effective_robustness import Baseline
-
     fig = Figure(figsize=(10.5, 4.2))
     left, right = fig.subplots(1, 2)
     colours = run_colours([s["anchored"] for s in series])

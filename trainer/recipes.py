@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.errors import ConfigError, DataError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import Config, RECIPE_DIR, load_config, read_recipe, recipe_names
-from fastanchor.trainer.errors import ConfigError, DataError
 
 RESULTS_DIR = RECIPE_DIR.parent / "benchmarks" / "results"
 ABOUT_KEYS = ("title", "family", "aims_at", "source", "notes")

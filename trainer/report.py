@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from fastanchor.errors import DataError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer import plots
-from fastanchor.trainer.checkpoint import atomic_write_bytes
-from fastanchor.trainer.errors import DataError
 from fastanchor.trainer.report_tables import (
     RunResults,
     Table,

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastanchor.errors import CheckpointError, ConfigError
 from fastanchor.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
-from fastanchor.trainer.errors import CheckpointError, ConfigError
 from fastanchor.trainer.run_folder import RunFolder
 
 CHANGEABLE = (

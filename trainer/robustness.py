@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastanchor.pipeline.data import eval_loader
+from fastanchor.errors import ConfigError, DataError
+from fastanchor.files import atomic_write_bytes
+from fastanchor.pipeline.corruptions import check_corruption_names
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.effective_robustness import (
     Baseline,
     check_transform,
@@ -34,7 +36,6 @@ from fastanchor.trainer.effective_robustness import (
     read_testbed,
     shipped_baselines,
 )
-from fastanchor.trainer.errors import ConfigError, DataError
 from fastanchor.trainer.evaluate import collect, load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
@@ -61,8 +62,6 @@ class RobustnessSpec:
             raise ConfigError(f"severity {self.severity}: expected an integer 1 to 5")
         if self.ood_root and self.corruptions:
             raise ConfigError("give either an OOD folder or corruptions, not both")
-        from fastanchor.pipeline.corruptions import check_corruption_names
-
         check_corruption_names(self.corruptions)
         parse_baseline(self.baseline, self.transform)  # only the form here; fits need the data
 

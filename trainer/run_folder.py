@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from fastanchor.trainer.checkpoint import atomic_write_bytes
+from fastanchor.errors import ConfigError
+from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""Learning-rate schedules as pure functions of the (fractional) epoch, and the peak rate."""
+"""Learning-rate schedules as pure functions of the (fractional) epoch, the peak rate, and the training
+resolution of each epoch (progressive resizing)."""
 
 from __future__ import annotations
 
 import math
 
-from fastanchor.trainer.config import OptimConfig
+from fastanchor.pipeline.progressive import resolution_for_epoch
+from fastanchor.trainer.config import DataConfig, OptimConfig
 
 
 def peak_lr(optim: OptimConfig, global_batch: int) -> float:
@@ -32,3 +34,17 @@ def lr_factor(epoch: float, total_epochs: int, optim: OptimConfig) -> float:
     if optim.schedule == "step":
         return optim.gamma ** sum(epoch >= m for m in optim.milestones)
     return 1.0
+
+
+def progressive_resizing_enabled(data: DataConfig) -> bool:
+    return bool(data.resolution_start or data.resolution_end)
+
+
+def training_resolution(data: DataConfig, epoch: int) -> int:
+    """The training resolution of `epoch` under `data`'s settings (data.image_size when disabled)."""
+    if not progressive_resizing_enabled(data):
+        return data.image_size
+    return resolution_for_epoch(
+        epoch, start=data.resolution_start or data.image_size, end=data.resolution_end or data.image_size,
+        ramp_start_epoch=data.resolution_ramp_start_epoch, ramp_end_epoch=data.resolution_ramp_end_epoch,
+        step=data.resolution_step)

@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 from fastanchor.pipeline.data import evaluation_is_sharded, iterate_from
-from fastanchor.pipeline.progressive import training_resolution
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import build_training, make_deterministic, resolve_device, seed_everything
 from fastanchor.trainer.checkpoint import checkpoint_name, remove_temporaries, set_aside_newer
@@ -36,6 +35,7 @@ from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import topk_correct
 from fastanchor.trainer.resume import check_same_processes, find_resume_point, restore_rng
 from fastanchor.trainer.run_folder import MetricsLog, RunFolder
+from fastanchor.trainer.schedule import training_resolution
 from fastanchor.trainer.training_state import Progress, TrainingState
 
 

@@ -15,8 +15,8 @@ from timm.layers import create_classifier
 from timm.models import build_model_with_cfg, register_model
 from torch import nn
 
+from fastanchor.errors import ConfigError
 from fastanchor.trainer.classifier_head import PooledLinearHead
-from fastanchor.trainer.errors import ConfigError
 
 WRN40_2 = "fastanchor_wrn40_2"
 
