@@ -1,6 +1,7 @@
-"""SFT on the demo model: the demo recipe, trained as `fastanchor demo` trains it (standard and anchored,
-the recipe's epochs on the embedded dataset), then fine-tuned for 50 steps with the recipe's SFT settings, keeps
-ID top-1 within 1 point while the weights do move. About five minutes on two CPU cores."""
+"""SFT on the demo model: the demo recipe, trained as `fastanchor demo` trains it (standard and anchored on the
+embedded dataset) but for half its epochs (EPOCHS: the settings were chosen on 15-epoch models,
+benchmarks/results/sft_demo), then fine-tuned for 50 steps with the recipe's SFT settings, keeps ID top-1 within
+1 point while the weights do move. About three minutes on two CPU cores."""
 
 import json
 
@@ -11,6 +12,7 @@ from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL
 
 pytestmark = pytest.mark.slow  # trains the demo recipe twice (minutes)
+EPOCHS = 12
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +21,8 @@ def demo_runs(tmp_path_factory):
     data = out / "embedded_demo"
     for kind, enabled in (("standard", "false"), ("anchored", "true")):
         result = run_main("train", "--config", "demo", "--set", f"data.root={data}", "--set", f"train.out_dir={out}",
-                          "--set", f"train.run_name={kind}", "--set", f"anchor.enabled={enabled}", "--set", "train.progress=false")
+                          "--set", f"train.run_name={kind}", "--set", f"anchor.enabled={enabled}", "--set", "train.progress=false",
+                          "--set", f"train.epochs={EPOCHS}")
         assert result.returncode == 0, result.stderr
         result = run_main("finetune-ood", "--checkpoint", out / kind / "final.pt", "--set", "train.progress=false")
         assert result.returncode == 0, result.stderr
