@@ -217,6 +217,23 @@ def test_trainer_parts_only_import_down():
                           + "\n".join(problems))
 
 
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """`from fastanchor.x import _name` in one module of another: a private name used across modules."""
+    found = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(PACKAGE + "."):
+                found += [f"{module} imports {node.module}.{alias.name} at line {node.lineno}"
+                          for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_imports_between_modules():
+    problems = private_imports(module_files())
+    assert not problems, "private names imported from another module (make them public or keep them inside):\n" + \
+        "\n".join(problems)
+
+
 def test_no_import_cycles():
     cycle = find_cycle(module_edges(all_imports()))
     assert cycle is None, "import cycle (function-level imports included): " + " -> ".join(cycle)
