@@ -2,6 +2,6 @@
 
 import sys
 
-from fastanchor.trainer.cli import main
+from fastanchor.cli import main
 
 sys.exit(main())

@@ -163,14 +163,14 @@ def beton_jpegs(path: Path) -> list[bytes]:
     """The JPEG records of a .beton, as FFCV's decoder reads them (raw records are not decoded)."""
     from ffcv.reader import Reader
 
-    from fastanchor.pipeline.ffcv_loader import _JPEG_MODE
+    from fastanchor.pipeline.ffcv_loader import JPEG_MODE
 
     reader = Reader(str(path))
     modes = reader.metadata["f0"]["mode"]
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     table = reader.alloc_table
     return [bytes(mapped[int(p):int(p) + int(n)]) for sample, p, n in zip(table["sample_id"], table["ptr"], table["size"])
-            if modes[int(sample)] == _JPEG_MODE]
+            if modes[int(sample)] == JPEG_MODE]
 
 
 def describe_images(index: ImageFolderIndex) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
-from fastanchor.trainer.config import _opt as option
+from fastanchor.trainer.config import option
 
 LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg")  # the built-in entries of benchmarks.loaders.LOADERS
 OP_PATHS = ("torch", "triton", "numba")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from fastanchor.benchmarks.sft_demo_table import write_table
-from fastanchor.trainer.finetune_ood import finetune_ood
+from fastanchor.trainer.safety.finetune_ood import finetune_ood
 
 PAPER_STEP = ["finetune_ood.lr=1e-3", "finetune_ood.ood_weight=1.0"]
 

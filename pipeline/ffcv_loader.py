@@ -44,7 +44,7 @@ from fastanchor.pipeline.torchvision_loader import load_rgb
 IMAGE_FIELD = "image"
 LABEL_FIELD = "label"
 ORDERS = ("sequential", "random", "quasi_random")
-_JPEG_MODE, _RAW_MODE = 0, 1  # ffcv.fields.rgb_image.IMAGE_MODES
+JPEG_MODE, RAW_MODE = 0, 1  # ffcv.fields.rgb_image.IMAGE_MODES
 _RGB_IMAGE_TYPE_ID, _INT_TYPE_ID = 2, 1  # ffcv.types.TYPE_ID_HANDLER
 _MAX_SIDE = 65535  # FFCV stores width and height as uint16
 
@@ -152,9 +152,9 @@ def inspect_beton(path: str | Path, *, all_markers: bool = False) -> BetonInfo:
         raise bad("has image records that do not match its allocation table")
     if np.any(ptr < data_at) or np.any(nbytes <= 0) or np.any(ptr + nbytes > table_at):
         raise bad("has image data outside its data region")
-    if np.any((mode != _JPEG_MODE) & (mode != _RAW_MODE)) or np.any(width == 0) or np.any(height == 0):
+    if np.any((mode != JPEG_MODE) & (mode != RAW_MODE)) or np.any(width == 0) or np.any(height == 0):
         raise bad("has invalid image records (mode, width or height)")
-    raw = mode == _RAW_MODE
+    raw = mode == RAW_MODE
     if np.any(nbytes[raw] != 3 * width[raw] * height[raw]):
         raise bad("has raw images whose size does not match width x height x 3")
     jpeg = ~raw

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fastanchor.trainer.cli import main
+from fastanchor.cli import main
 from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
 
 TINY_SPEC = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)

@@ -18,7 +18,7 @@ import torch
 
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
-from fastanchor.trainer.cli import main
+from fastanchor.cli import main
 
 # The earlier run every case must leave intact: 3 steps, a checkpoint after each (small model).
 EARLIER = {"train.run_name": "earlier", "model.name": "test_efficientnet_gn", "optim.name": "sgd",

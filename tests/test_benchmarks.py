@@ -189,7 +189,7 @@ def test_step_benchmark(results):
 
 
 def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
-    from fastanchor.trainer.recipes import measured_throughput, recipes_markdown
+    from fastanchor.cli.recipes import measured_throughput, recipes_markdown
 
     result = bench("step", *COMMON, "--recipe", "cifar/cifar10_wrn40_2_anchored", "--batch-size", 2, "--steps", 1,
                    "--out", tmp_path)

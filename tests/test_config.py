@@ -2,7 +2,7 @@
 
 import pytest
 
-from fastanchor.trainer.cli import build_parser
+from fastanchor.cli import build_parser
 from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config, parse_override
 
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 from fastanchor.errors import DataError
-from fastanchor.trainer.effective_robustness import (
+from fastanchor.trainer.safety.effective_robustness import (
     Baseline,
     clip_accuracy,
     effective_robustness,
@@ -103,7 +103,7 @@ def test_testbed_csv(tmp_path):
 
 def test_top1_with_a_logit_mask_hand_worked():
     import torch
-    from fastanchor.trainer.robustness import top1
+    from fastanchor.trainer.safety.robustness import top1
 
     logits = torch.tensor([[5.0, 1.0, 2.0, 0.0], [0.0, 3.0, 1.0, 9.0], [0.0, 1.0, 4.0, 2.0]])
     labels = torch.tensor([2, 1, 2])

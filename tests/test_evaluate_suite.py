@@ -17,7 +17,7 @@ from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
 from fastanchor.trainer.build import shift_sets
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.evaluate import Outputs, load_for_inference
+from fastanchor.trainer.safety.evaluate import Outputs, load_for_inference
 from fastanchor.trainer.metrics import auroc, fpr_at_tpr
 from PIL import Image
 

@@ -15,9 +15,9 @@ from fastanchor.benchmarks.sft_demo_table import HEADER, sweep_rows
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.kernels.pseudo_ood import allowed_grids
 from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.trainer import finetune_ood as sft
+from fastanchor.trainer.safety import finetune_ood as sft
 from fastanchor.trainer.build import eval_loader, split_index
-from fastanchor.trainer.evaluate import load_for_inference
+from fastanchor.trainer.safety.evaluate import load_for_inference
 from sklearn.metrics import roc_auc_score
 
 STEPS = 4

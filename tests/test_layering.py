@@ -6,21 +6,27 @@ The layers, bottom first (a module may import its own layer and the layers below
               use: errors.py (the error family), files.py (atomic file writing)
   kernels     fastanchor/kernels/
   pipeline    fastanchor/pipeline/
-  trainer     fastanchor/trainer/
+  trainer     fastanchor/trainer/, in parts that import only down too, bottom first:
+                models  trainer/models/ (the model factory, first-layer surgery, fastanchor's own networks)
+                core    the modules directly in trainer/ (config, build, the loop, checkpoints, metrics, inference)
+                safety  trainer/safety/ (evaluate, robustness, linear probe, SFT, and the figures they draw)
+                report  trainer/report/ (`fastanchor report`)
   benchmarks  fastanchor/benchmarks/ (benchmarks/cli.py included: the `bench` subcommand's parser and
               dispatch, which the CLI calls)
-  cli         the `fastanchor` command and its entry points: trainer/cli.py (the console script
-              `fastanchor = fastanchor.trainer.cli:main`), fastanchor/__main__.py (`python -m fastanchor`)
-              and benchmarks/__main__.py (`python -m fastanchor.benchmarks`)
+  cli         the `fastanchor` command and its entry points: fastanchor/cli/ (the console script
+              `fastanchor = fastanchor.cli:main`, and the demo and recipes commands), fastanchor/__main__.py
+              (`python -m fastanchor`) and benchmarks/__main__.py (`python -m fastanchor.benchmarks`)
 
 Every `import` and `from ... import` of a `fastanchor` module is read with `ast`, at module level and
 inside functions alike, relative imports resolved, and `importlib.import_module("fastanchor...")`
 with a literal (or f-string) name too. Imports of other packages (torch, ffcv, nvidia.dali, triton...)
 are not looked at: importing an optional dependency inside a function is fine. The tests fail on an
-import that points up, on a module at the package root that has no layer here, and on any import
-cycle between modules (function-level imports included, so none can hide a cycle).
+import that points up (between layers, and between the trainer's parts), on a module at the package
+root that has no layer here, and on any import cycle between modules (function-level imports
+included, so none can hide a cycle).
 
-`python tests/test_layering.py` prints the import graph: which package imports which, with counts.
+`python tests/test_layering.py` prints the import graph: which package imports which, with counts,
+and the same between the trainer's parts.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ PACKAGE = "fastanchor"
 LAYERS = ("root", "kernels", "pipeline", "trainer", "benchmarks", "cli")
 ROOT_MODULES = {"fastanchor": "root", "fastanchor.errors": "root", "fastanchor.files": "root",
                 "fastanchor.__main__": "cli"}
-CLI_MODULES = {"fastanchor.trainer.cli", "fastanchor.__main__", "fastanchor.benchmarks.__main__"}
-SUBPACKAGES = ("kernels", "pipeline", "trainer", "benchmarks")
+CLI_MODULES = {"fastanchor.__main__", "fastanchor.benchmarks.__main__"}  # and every module under cli/
+SUBPACKAGES = ("kernels", "pipeline", "trainer", "benchmarks", "cli")
+TRAINER_PARTS = ("models", "core", "safety", "report")  # bottom first; "core": the modules directly in trainer/
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,14 @@ def layer_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGES else None
 
 
+def trainer_part_of(module: str) -> str | None:
+    """The trainer part of a module of the trainer layer (None outside it): its subpackage, or core."""
+    parts = module.split(".")
+    if layer_of(module) != "trainer":
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in TRAINER_PARTS else "core"
+
+
 def all_imports(root: Path = ROOT) -> list[Import]:
     modules = module_files(root)
     return [i for name, path in modules.items() for i in imports_of(path.read_text(), name, modules)]
@@ -126,6 +141,17 @@ def upward_imports(imports: list[Import]) -> list[str]:
         if there is None or LAYERS.index(there) > LAYERS.index(here):
             where = " (inside a function)" if i.in_function else ""
             problems.append(f"{i.importer} (layer {here}) imports {i.imported} (layer {there}) at line {i.line}{where}")
+    return problems
+
+
+def upward_trainer_imports(imports: list[Import]) -> list[str]:
+    problems = []
+    for i in imports:
+        here, there = trainer_part_of(i.importer), trainer_part_of(i.imported)
+        if here and there and TRAINER_PARTS.index(there) > TRAINER_PARTS.index(here):
+            where = " (inside a function)" if i.in_function else ""
+            problems.append(f"{i.importer} (trainer part {here}) imports {i.imported} (trainer part {there}) "
+                            f"at line {i.line}{where}")
     return problems
 
 
@@ -176,6 +202,36 @@ def test_every_module_has_a_layer():
 def test_imports_only_go_down():
     problems = upward_imports(all_imports())
     assert not problems, "imports that point up (allowed: " + " <- ".join(LAYERS) + "):\n" + "\n".join(problems)
+
+
+def test_trainer_parts_only_import_down():
+    assert [trainer_part_of(m) for m in ("fastanchor.trainer", "fastanchor.trainer.train", "fastanchor.trainer.models",
+                                         "fastanchor.trainer.models.wide_resnet", "fastanchor.trainer.safety.plots",
+                                         "fastanchor.trainer.report.tables", "fastanchor.pipeline.api")] == [
+        "core", "core", "models", "models", "safety", "report", None]
+    assert upward_trainer_imports([Import("fastanchor.trainer.build", "fastanchor.trainer.safety.evaluate", 3, True)]) == [
+        "fastanchor.trainer.build (trainer part core) imports fastanchor.trainer.safety.evaluate (trainer part safety) "
+        "at line 3 (inside a function)"]
+    problems = upward_trainer_imports(all_imports())
+    assert not problems, ("trainer imports that point up (allowed: " + " <- ".join(TRAINER_PARTS) + "):\n"
+                          + "\n".join(problems))
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """`from fastanchor.x import _name` in one module of another: a private name used across modules."""
+    found = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(PACKAGE + "."):
+                found += [f"{module} imports {node.module}.{alias.name} at line {node.lineno}"
+                          for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_imports_between_modules():
+    problems = private_imports(module_files())
+    assert not problems, "private names imported from another module (make them public or keep them inside):\n" + \
+        "\n".join(problems)
 
 
 def test_no_import_cycles():
@@ -246,6 +302,25 @@ def graph_summary(imports: list[Import]) -> str:
     return "\n".join(lines)
 
 
+def trainer_graph_summary(imports: list[Import]) -> str:
+    """The same between the trainer's parts: one line per part, the parts it imports with pair counts."""
+    pairs = {(i.importer, i.imported): i.in_function for i in sorted(imports, key=lambda i: i.in_function, reverse=True)}
+    counts: dict[str, Counter] = defaultdict(Counter)
+    deferred: dict[str, Counter] = defaultdict(Counter)
+    for (importer, imported), in_function in pairs.items():
+        source, target = trainer_part_of(importer), trainer_part_of(imported)
+        if source and target and source != target:
+            counts[source][target] += 1
+            deferred[source][target] += in_function
+    lines = ["trainer parts, bottom first: " + " <- ".join(TRAINER_PARTS)]
+    for part in TRAINER_PARTS:
+        targets = sorted(counts[part], key=lambda p: -TRAINER_PARTS.index(p))
+        text = ", ".join(f"{t} {counts[part][t]}" + (f" ({deferred[part][t]} in functions)" if deferred[part][t] else "")
+                         for t in targets)
+        lines.append(f"  {part:<11} -> {text or '-'}")
+    return "\n".join(lines)
+
+
 def _unit_layer(unit: str) -> str:
     if unit in LAYERS:
         return unit
@@ -255,7 +330,8 @@ def _unit_layer(unit: str) -> str:
 def main() -> int:
     imports = all_imports()
     print(graph_summary(imports))
-    problems = upward_imports(imports)
+    print(trainer_graph_summary(imports))
+    problems = upward_imports(imports) + upward_trainer_imports(imports)
     cycle = find_cycle(module_edges(imports))
     for problem in problems:
         print("upward import: " + problem)

@@ -196,7 +196,8 @@ def test_augment_hflip_reaches_the_training_and_fine_tuning_loaders(tiny_dataset
     """`fastanchor train --set augment.hflip=false` builds its training loader with hflip=False, and
     `fastanchor finetune-ood` of that checkpoint too (augment.* comes from the checkpoint); the test
     above shows what each loader does with it."""
-    from fastanchor.trainer import finetune_ood, train
+    from fastanchor.trainer import train
+    from fastanchor.trainer.safety import finetune_ood
 
     built = []
     for module in (train, finetune_ood):

@@ -18,8 +18,9 @@ import pytest
 from fastanchor.trainer.config import recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("", "kernels", "pipeline", "trainer", "benchmarks")  # folders whose *.py are the modules
-DATA_FILES = ("trainer/testbed_fits.json", "pipeline/imagenet_r_wnids.txt")
+PACKAGES = ("", "kernels", "pipeline", "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
+            "cli")  # folders whose *.py are the modules
+DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt")
 
 
 def shipped_files() -> set[str]:
@@ -76,7 +77,7 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
         assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-3000:]}"
         return result.stdout
 
-    located = run(sys.executable, "-c", "import fastanchor.pipeline.eval_sets as e, fastanchor.trainer.effective_robustness as r\n"
+    located = run(sys.executable, "-c", "import fastanchor.pipeline.eval_sets as e, fastanchor.trainer.safety.effective_robustness as r\n"
                                         "print(e.__file__, len(e.imagenet_r_wnids()), sorted(r.shipped_baselines()), sep='\\n')")
     module, wnids, fits = located.splitlines()
     assert Path(module).is_relative_to(target)

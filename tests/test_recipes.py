@@ -15,7 +15,7 @@ import pytest
 from conftest import run_main
 from fastanchor.pipeline.imagenet_shaped import ImageNetShapedSpec, render_jpeg
 from fastanchor.trainer.config import RECIPE_DIR, ConfigError, load_config, recipe_names
-from fastanchor.trainer.recipes import batch_for, launch_command, load_recipe, readme_block
+from fastanchor.cli.recipes import batch_for, launch_command, load_recipe, readme_block
 from fastanchor.trainer.schedule import lr_factor, peak_lr
 
 RECIPES = [name for name in recipe_names() if "/" in name]

@@ -14,8 +14,8 @@ from browser import image_states
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.trainer.build import eval_loader, reference_images
-from fastanchor.trainer.evaluate import load_for_inference
-from fastanchor.trainer.linear_probe import (
+from fastanchor.trainer.safety.evaluate import load_for_inference
+from fastanchor.trainer.safety.linear_probe import (
     feature_extractor,
     features_of,
     fit_linear_probe,

@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from fastanchor.files import atomic_write_bytes
-from fastanchor.trainer.effective_robustness import Baseline
+from fastanchor.trainer.safety.effective_robustness import Baseline
 
 STANDARD_COLOURS = ("#1f4e79", "#4f81bd", "#7fa7d9", "#9dc3e6")
 ANCHORED_COLOURS = ("#c0504d", "#e46c0a", "#f79646", "#d99694")

@@ -9,7 +9,8 @@ The first layer is found through timm's ``pretrained_cfg["first_conv"]`` where a
 (the timm house rule: no per-model special cases), otherwise as the first 3-channel ``Conv2d``.
 
 Importing this module also registers ``fastanchor_resnet_tiny`` in timm's registry: a small
-CIFAR-style ResNet for CPU demos and tests (``timm.create_model("fastanchor_resnet_tiny")``).
+CIFAR-style ResNet for CPU demos and tests (``timm.create_model("fastanchor_resnet_tiny")``), and,
+through wide_resnet.py, ``fastanchor_wrn40_2``; classifier_head.py is the head both share.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fastanchor.errors import ConfigError
-from fastanchor.trainer.classifier_head import PooledLinearHead
+from fastanchor.trainer.models.classifier_head import PooledLinearHead
 
 __all__ = [
     "ModelError", "TORCHVISION_PREFIX", "DEMO_MODEL", "check_model_name", "create_model",
@@ -429,4 +430,4 @@ for _entrypoint in (fastanchor_resnet_tiny, fastanchor_cifar_resnet18, fastancho
     if not timm.is_model(_entrypoint.__name__):  # importing twice (or under two names) must not re-register
         register_model(_entrypoint)
 
-from fastanchor.trainer import wide_resnet  # noqa: E402,F401  (registers fastanchor_wrn40_2 in timm)
+from fastanchor.trainer.models import wide_resnet  # noqa: E402,F401  (registers fastanchor_wrn40_2 in timm)

@@ -15,13 +15,13 @@ One step, top to bottom:
     uint8 ID batch on the device -> pseudo-OOD batch made from it on the device (jigsaw at a grid
     drawn per step, then RGB channel shuffle; kernels/pseudo_ood.py) -> both through the anchoring
     stage (the checkpoint's inference references, no masking; normalisation only for standard
-    models) -> loss CE(f(x), y) + lambda * KL(U || softmax f(x')) -> one SAM step (trainer/sam.py).
+    models) -> loss CE(f(x), y) + lambda * KL(U || softmax f(x')) -> one SAM step (trainer/safety/sam.py).
 
 BatchNorm (`finetune_ood.batchnorm`): layers normalise with the batch's statistics and their running
 statistics move only with the ID batch at the unperturbed weights (`id_batches`); or they normalise
 with the batch's statistics and keep the running statistics as trained (`keep`); or they normalise
 with the running statistics, never updated (`frozen`). In every mode the pseudo-OOD forwards and
-the whole pass at the ascended weights leave the running statistics untouched (see trainer/sam.py).
+the whole pass at the ascended weights leave the running statistics untouched (see trainer/safety/sam.py).
 `keep` is for small steps on small models: with momentum 0.1, 50 moving-average updates re-estimate
 the statistics from the last few batches, and that noise alone moves the demo model's ID top-1 by
 more than a point (the bn_ema_only rows of benchmarks/results/sft_demo/README.md).
@@ -52,9 +52,9 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import eval_loader, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
+from fastanchor.trainer.safety.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
-from fastanchor.trainer.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
+from fastanchor.trainer.safety.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
 from fastanchor.trainer.build import amp_dtype, resolve_device, seed_everything
 from fastanchor.trainer.run_folder import RunFolder
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.evaluate import evaluate_checkpoint
-from fastanchor.trainer.finetune_ood import finetune_ood, summary_rows
+from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
+from fastanchor.trainer.safety.finetune_ood import finetune_ood, summary_rows
 from fastanchor.trainer.train import train
 from fastanchor.trainer.run_folder import RunFolder
 

@@ -22,8 +22,8 @@ import yaml
 
 from fastanchor.errors import DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.trainer import plots
-from fastanchor.trainer.report_tables import (
+from fastanchor.trainer.safety import plots
+from fastanchor.trainer.report.tables import (
     RunResults,
     Table,
     all_tables,

@@ -41,7 +41,7 @@ from fastanchor.pipeline.corruptions import check_corruption_names
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
-from fastanchor.trainer.evaluate import load_for_inference
+from fastanchor.trainer.safety.evaluate import load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 

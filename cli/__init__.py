@@ -1,4 +1,8 @@
-"""The `fastanchor` command: prepare, train, evaluate, finetune-ood, robustness, linear-probe, report, demo, bench."""
+"""The `fastanchor` command: prepare, train, evaluate, finetune-ood, robustness, linear-probe, report, recipes, demo, bench.
+
+The commands that are applications rather than library code live beside it: demo.py (`fastanchor demo`) and
+recipes.py (`fastanchor recipes`). Entry points: the console script `fastanchor = fastanchor.cli:main`,
+`python -m fastanchor` (fastanchor/__main__.py) and `python -m fastanchor.benchmarks` (`fastanchor bench`)."""
 
 from __future__ import annotations
 
@@ -207,11 +211,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"stopped after train.max_steps = {config.train.max_steps} steps: {run_dir} holds "
                       f"metrics.jsonl and config.yaml, no checkpoint")
     elif args.command == "evaluate":
-        from fastanchor.trainer.evaluate import evaluate_checkpoint
+        from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
 
         print(json.dumps(evaluate_checkpoint(Path(args.checkpoint), args.overrides, args.device), indent=2))
     elif args.command == "finetune-ood":
-        from fastanchor.trainer.finetune_ood import finetune_ood, markdown_table
+        from fastanchor.trainer.safety.finetune_ood import finetune_ood, markdown_table
         from fastanchor.trainer.run_folder import RunFolder
 
         summary = finetune_ood(Path(args.checkpoint), args.overrides, args.device, args.out)
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else RunFolder.of_checkpoint(args.checkpoint).finetune_ood
         print(f"fine-tuned checkpoint, summary.json, summary.md and metrics.jsonl written to {out}")
     elif args.command == "robustness":
-        from fastanchor.trainer.robustness import RobustnessSpec, robustness_over_training
+        from fastanchor.trainer.safety.robustness import RobustnessSpec, robustness_over_training
 
         spec = RobustnessSpec(id_root=args.id_root, ood_root=args.ood_root, corruptions=args.corruptions,
                               severity=args.severity, baseline=args.baseline, transform=args.transform,
@@ -232,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"baseline {runs[0]['baseline']['name']}: a = {runs[0]['baseline']['a']:.4f}, b = {runs[0]['baseline']['b']:.4f}; "
               f"results in <run>/robustness_over_training.json, chart {chart}")
     elif args.command == "linear-probe":
-        from fastanchor.trainer.linear_probe import ProbeSpec, linear_probe
+        from fastanchor.trainer.safety.linear_probe import ProbeSpec, linear_probe
 
         spec = ProbeSpec(train_root=args.train_root, val_root=args.val_root, shift_root=args.shift_root,
                          shift_corruption=args.shift_corruption, shift_severity=args.shift_severity, alpha=args.alpha,
@@ -240,12 +244,12 @@ def run(args: argparse.Namespace) -> int:
                          overrides=tuple(args.overrides))
         print(json.dumps(linear_probe(Path(args.checkpoint), spec, args.device), indent=2))
     elif args.command == "report":
-        from fastanchor.trainer.report import write_report
+        from fastanchor.trainer.report.report import write_report
 
         paths = write_report([Path(r) for r in args.runs], Path(args.out) if args.out else None, args.title)
         print(f"report written: {paths['report.html']} and {paths['report.md']}")
     elif args.command == "recipes":
-        from fastanchor.trainer.recipes import recipes_markdown, write_readme
+        from fastanchor.cli.recipes import recipes_markdown, write_readme
 
         if args.readme:
             write_readme(Path(args.readme))
@@ -253,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(recipes_markdown(), end="")
     elif args.command == "demo":
-        from fastanchor.trainer.demo import run_demo
+        from fastanchor.cli.demo import run_demo
 
         run_demo(load_config(args.config, args.overrides), Path(args.out_dir))
     elif args.command == "bench":
@@ -284,6 +288,3 @@ def main(argv: list[str] | None = None) -> int:
         print("fastanchor: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,7 @@ from timm.models import build_model_with_cfg, register_model
 from torch import nn
 
 from fastanchor.errors import ConfigError
-from fastanchor.trainer.classifier_head import PooledLinearHead
+from fastanchor.trainer.models.classifier_head import PooledLinearHead
 
 WRN40_2 = "fastanchor_wrn40_2"
 

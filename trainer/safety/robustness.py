@@ -27,7 +27,7 @@ from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader
-from fastanchor.trainer.effective_robustness import (
+from fastanchor.trainer.safety.effective_robustness import (
     Baseline,
     check_transform,
     clip_accuracy,
@@ -36,7 +36,7 @@ from fastanchor.trainer.effective_robustness import (
     read_testbed,
     shipped_baselines,
 )
-from fastanchor.trainer.evaluate import collect, load_for_inference
+from fastanchor.trainer.safety.evaluate import collect, load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
@@ -205,7 +205,7 @@ def default_chart_path(run_dirs: list[Path]) -> Path:
 def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device: str = "auto",
                              chart: Path | None = None) -> tuple[list[dict], Path]:
     """Evaluate every run, fit or take the baseline, write each run's JSON and the joint chart."""
-    from fastanchor.trainer.plots import effective_robustness_chart, run_label, write_png
+    from fastanchor.trainer.safety.plots import effective_robustness_chart, run_label, write_png
 
     spec.check()
     names = [Path(r).name for r in run_dirs]

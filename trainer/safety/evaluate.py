@@ -49,7 +49,7 @@ from fastanchor.trainer.build import (
 )
 from fastanchor.trainer.checkpoint import load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
-from fastanchor.trainer.features import PenultimateTap, react_threshold
+from fastanchor.trainer.safety.features import PenultimateTap, react_threshold
 from fastanchor.trainer.inference import BilinearTransduction, predict
 from fastanchor.trainer.metrics import (
     aupr,
@@ -402,7 +402,7 @@ def severity_means(shift_results: dict) -> dict:
 
 
 def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_values: dict | None, bins: int) -> dict:
-    from fastanchor.trainer.plots import reliability_diagram, score_histogram_panels, severity_chart, write_png
+    from fastanchor.trainer.safety.plots import reliability_diagram, score_histogram_panels, severity_chart, write_png
 
     run = RunFolder.of_checkpoint(checkpoint)
     folder = run.plots_of(checkpoint)
