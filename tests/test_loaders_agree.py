@@ -196,11 +196,11 @@ def test_augment_hflip_reaches_the_training_and_fine_tuning_loaders(tiny_dataset
     """`fastanchor train --set augment.hflip=false` builds its training loader with hflip=False, and
     `fastanchor finetune-ood` of that checkpoint too (augment.* comes from the checkpoint); the test
     above shows what each loader does with it."""
-    from fastanchor.trainer import train
+    from fastanchor.trainer import build  # build_training makes the training loop's loader
     from fastanchor.trainer.safety import finetune_ood
 
     built = []
-    for module in (train, finetune_ood):
+    for module in (build, finetune_ood):
         def observed(*args, real=module.train_loader, name=module.__name__, **kwargs):
             built.append((name.rsplit(".", 1)[1], kwargs.get("hflip")))
             return real(*args, **kwargs)
@@ -214,4 +214,4 @@ def test_augment_hflip_reaches_the_training_and_fine_tuning_loaders(tiny_dataset
     result = run_main("finetune-ood", "--checkpoint", tmp_path / "noflip" / "final.pt", "--set", "finetune_ood.steps=1",
                       "--set", "eval.corruptions=[]", "--set", "eval.corruptions_bar=[]")
     assert result.returncode == 0, result.stderr
-    assert built == [("train", False), ("finetune_ood", False)]
+    assert built == [("build", False), ("finetune_ood", False)]
