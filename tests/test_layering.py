@@ -32,6 +32,7 @@ and the same between the trainer's parts.
 from __future__ import annotations
 
 import ast
+import gc
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -53,6 +54,17 @@ class Import:
     imported: str  # dotted module (or package) name
     line: int
     in_function: bool
+
+
+def parse(source: str) -> ast.Module:
+    """ast.parse with the garbage collector held off: on CPython 3.11 a finalizer that runs while the AST is built
+    (numba's dispatchers, after the suite has compiled kernels) can fail the parse with "AST constructor recursion
+    depth mismatch"."""
+    gc.disable()
+    try:
+        return ast.parse(source)
+    finally:
+        gc.enable()
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -103,7 +115,7 @@ def imports_of(source: str, module: str, modules: dict[str, Path] | None = None)
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
 
-    visit(ast.parse(source), 0)
+    visit(parse(source), 0)
     return found
 
 
@@ -221,7 +233,7 @@ def private_imports(modules: dict[str, Path]) -> list[str]:
     """`from fastanchor.x import _name` in one module of another: a private name used across modules."""
     found = []
     for module, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(PACKAGE + "."):
                 found += [f"{module} imports {node.module}.{alias.name} at line {node.lineno}"
                           for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
