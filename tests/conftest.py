@@ -53,3 +53,16 @@ def run_main(*args) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+OPTIONAL_LOADERS = {"ffcv": ("ffcv", "the 'ffcv' extra"), "dali": ("nvidia.dali", "the 'dali' extra")}
+
+
+@pytest.fixture(autouse=True)
+def optional_loader_installed(request):
+    """A test parametrized with the FFCV or DALI loader is skipped, saying so, where that loader is not installed."""
+    callspec = getattr(request.node, "callspec", None)
+    for value in callspec.params.values() if callspec else ():
+        if isinstance(value, str) and value in OPTIONAL_LOADERS:
+            module, extra = OPTIONAL_LOADERS[value]
+            pytest.importorskip(module, reason=f"{module} ({extra}) is not installed: the {value} loader cannot run")

@@ -12,6 +12,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("nvidia.dali", reason="NVIDIA DALI (the 'dali' extra) is not installed")
 from PIL import Image
 
 from conftest import run_main, tiny_overrides

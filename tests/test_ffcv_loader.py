@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest.importorskip("ffcv", reason="ffcv (the 'ffcv' extra) is not installed")
+
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline import ffcv_loader
 from fastanchor.pipeline.ffcv_loader import FFCVLoader, inspect_beton, write_beton
