@@ -20,7 +20,7 @@ bench v3_batch_masking_bn_skip --arms masking --masked-batchnorm skip --set anch
 bench v3_batch_masking_bn_update --arms masking --masked-batchnorm update --set anchor.mask_level=batch
 # First layer of a randomly initialised model: [W, W] (the default) vs a fresh 6-channel init.
 bench v3_fresh_first_layer --arms masking --masked-batchnorm skip --set anchor.first_layer=fresh
-# Horizontal flips off (the masking arm; the shapes are symmetric or nearly so).
+# Horizontal flips off (the masking arm; its baseline is the demo row's masking arm).
 bench v3_no_hflip --arms masking --masked-batchnorm skip --set augment.hflip=false
 # The plain 5-conv net instead of the demo's small ResNet (both arms).
 bench v3_convnet5 --arms standard,masking --masked-batchnorm skip --set model.name=fastanchor_convnet5
