@@ -36,7 +36,7 @@ class ResumePoint:
 
     @property
     def run_dir(self) -> Path:
-        return self.path.resolve().parent.parent
+        return RunFolder.of_checkpoint(self.path).root
 
     @property
     def finished(self) -> bool:
