@@ -24,5 +24,3 @@ bench v3_fresh_first_layer --arms masking --masked-batchnorm skip --set anchor.f
 bench v3_no_hflip --arms masking --masked-batchnorm skip --set augment.hflip=false
 # The plain 5-conv net instead of the demo's small ResNet (both arms).
 bench v3_convnet5 --arms standard,masking --masked-batchnorm skip --set model.name=fastanchor_convnet5
-# alpha 0.1 instead of the paper's CIFAR value 0.25.
-bench v3_alpha_0.1 --arms masking --masked-batchnorm skip --set anchor.alpha=0.1
