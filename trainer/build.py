@@ -10,7 +10,7 @@ something else.
 The data: the dataset a config names (generated, decoded or found), each split's index, the
 .beton files, the training and evaluation loaders (the one place that knows which loader a config
 names), the reference images, and the evaluation sets of `fastanchor evaluate`. The pipeline
-modules these call take plain arguments; only this module reads ``data``, ``embedded`` and ``eval``.
+modules these call take plain arguments, never a config.
 
 Training: `build_training` turns a config into the data, loaders, references, model, optimiser,
 schedule, anchoring stage and step the loop (train.py) runs; also the device, the precision and the
