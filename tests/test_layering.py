@@ -146,25 +146,25 @@ def all_imports(root: Path = ROOT) -> list[Import]:
     return [i for name, path in modules.items() for i in imports_of(path.read_text(), name, modules)]
 
 
-def upward_imports(imports: list[Import]) -> list[str]:
+def upward(imports: list[Import], part_of, order: tuple[str, ...], kind: str, unplaced_is_upward: bool) -> list[str]:
+    """The imports whose imported module sits higher in `order` (by `part_of`) than the importer's."""
     problems = []
     for i in imports:
-        here, there = layer_of(i.importer), layer_of(i.imported)
-        if there is None or LAYERS.index(there) > LAYERS.index(here):
+        here, there = part_of(i.importer), part_of(i.imported)
+        if here is None or (there is None and not unplaced_is_upward):
+            continue
+        if there is None or order.index(there) > order.index(here):
             where = " (inside a function)" if i.in_function else ""
-            problems.append(f"{i.importer} (layer {here}) imports {i.imported} (layer {there}) at line {i.line}{where}")
+            problems.append(f"{i.importer} ({kind} {here}) imports {i.imported} ({kind} {there}) at line {i.line}{where}")
     return problems
+
+
+def upward_imports(imports: list[Import]) -> list[str]:
+    return upward(imports, layer_of, LAYERS, "layer", unplaced_is_upward=True)
 
 
 def upward_trainer_imports(imports: list[Import]) -> list[str]:
-    problems = []
-    for i in imports:
-        here, there = trainer_part_of(i.importer), trainer_part_of(i.imported)
-        if here and there and TRAINER_PARTS.index(there) > TRAINER_PARTS.index(here):
-            where = " (inside a function)" if i.in_function else ""
-            problems.append(f"{i.importer} (trainer part {here}) imports {i.imported} (trainer part {there}) "
-                            f"at line {i.line}{where}")
-    return problems
+    return upward(imports, trainer_part_of, TRAINER_PARTS, "trainer part", unplaced_is_upward=False)
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
