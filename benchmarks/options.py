@@ -106,12 +106,11 @@ class DataOptions:
 class ImageDataOptions(CommonOptions):
     """The JPEGs a loader reads, and how its epochs are timed."""
 
-    data: str = option("data/imagenet_shaped/train", "ImageFolder tree (<class>/<image>) the loaders read, e.g. the "
-                       "ImageNet-shaped dataset's train split written by `fastanchor bench data`")
+    data: str = option("data/imagenet_shaped/train",
+                       "ImageFolder tree (<class>/<image>) the loaders read, e.g. from `fastanchor bench data`")
     images: int = option(0, "use this many images of the tree, drawn with the seed (0: all)")
     min_scale: float = option(0.35, "lower bound of the random-resized-crop's area scale (the trainer's data.min_scale)")
-    workers: int = option(0, "decoding workers of every loader (DataLoader processes, FFCV numba threads, DALI "
-                             "threads; the decode limit is multiplied by it); 0: one per usable CPU")
+    workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
     warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
     ffcv_cache: str = option("", "directory of the .beton written from the images (default: <data>/../ffcv)")
     ffcv_jpeg_quality: int = option(90, "JPEG quality of the images FFCV's writer re-encodes into the .beton")
@@ -147,11 +146,10 @@ class OpOptions(SyntheticOptions):
     paths: str = option("torch,triton,numba", "comma-separated implementations of the op: " + ", ".join(OP_PATHS))
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     image_size: int = option(0, "image side in pixels (0: 112 on CPU, 176 on CUDA)")
-    dtype: str = option("auto", "output dtype: auto (the training input's: bf16 on CUDA with amp, float32 on CPU), "
-                                "float32, bfloat16, float16", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = option("auto", "output dtype: auto (bf16 on CUDA with amp, float32 on CPU), float32, bfloat16, float16",
+                        choices=("auto", "float32", "bfloat16", "float16"))
     iterations: int = option(0, "op calls per repetition (0: 10 on CPU, 200 on CUDA)")
-    step_model: str = option("", "model of the training step the op's time is compared with "
-                                 "(default: fastanchor_resnet_tiny on CPU, resnet50 on CUDA; 'none' skips it)")
+    step_model: str = option("", "step the op is compared with ('': fastanchor_resnet_tiny on CPU, resnet50 on CUDA; none: skip)")
     steps: int = option(0, "training steps per repetition (0: 3 on CPU, 20 on CUDA)")
 
     def checks(self):
@@ -168,13 +166,10 @@ class OpOptions(SyntheticOptions):
 
 @dataclass
 class StepOptions(SyntheticOptions):
-    models: str = option("", f"comma-separated <model>@<size> (default: {CPU_STEP_MODELS} on CPU; {GPU_STEP_MODELS} on CUDA)")
+    models: str = option("", "comma-separated <model>@<size> ('': by device, see docs/benchmarks.md)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
-    recipe: str = option("", "a recipe under configs/ (e.g. imagenet/rn50_16_epochs) instead of --models: its model at its "
-                             "first-epoch training resolution, with its amp and channels-last (--batch-size still applies; "
-                             "0: the recipe's batch); the result names every recipe training that model at that resolution, "
-                             "and `fastanchor recipes` shows it in the throughput column")
+    recipe: str = option("", "a recipe under configs/ to time instead of --models (e.g. imagenet/rn50_16_epochs)")
 
     def checks(self):
         for text in names_list(self.models):
@@ -215,14 +210,13 @@ class FidelityOptions:
     """Standard, vanilla-anchored and masked training through the trainer and through a plain-torch control."""
 
     config: str = option("demo", "recipe (a name under configs/ or a YAML file): data, model, augmentation and schedule of every arm")
-    data: str = option("", "ImageFolder root with train/ and val/ (and optionally ood/); default: the recipe's data "
-                           "(the embedded dataset is generated if missing)")
+    data: str = option("", "ImageFolder root with train/, val/ and optionally ood/ ('': the recipe's data)")
     arms: str = option(",".join(ARM_NAMES), "comma-separated arms: " + ", ".join(ARM_NAMES))
     seeds: int = option(3, "seeds per arm (0 to N-1)")
     epochs: int = option(0, "training epochs of every arm (0: the recipe's train.epochs)")
     severities: str = option("", "comma-separated corruption severities 1-5 (default: the recipe's eval.severities)")
-    masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms, where the config has the key "
-                                             "(update: the paper's plain BatchNorm, like the control)", choices=("update", "skip"))
+    masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms (update: the paper's plain BatchNorm, "
+                                             "as the control)", choices=("update", "skip"))
     set: list = option([], "KEY=VALUE recipe override for every arm, repeatable (the control follows those it has a setting for)")
     keep_checkpoints: bool = option(False, "keep the trainer arms' checkpoints (default: deleted once evaluated)")
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")

@@ -1,9 +1,12 @@
 """Configuration: recipes, overrides, validation with one clear message."""
 
+import dataclasses
+
 import pytest
 
+from fastanchor.benchmarks import options as bench_options
 from fastanchor.cli import build_parser
-from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config, parse_override
+from fastanchor.trainer.config import Config, ConfigError, _section_classes, describe_options, load_config, parse_override
 
 
 def test_demo_recipe_loads_and_overrides_apply():
@@ -63,6 +66,30 @@ def test_every_option_is_in_help():
         for key in values:
             assert f"{section}.{key} = " in text
     assert describe_options() in text
+
+
+HELP_LIMIT = 100  # the house rule: one short line per option in --help; the why lives in docs/
+
+
+def test_every_option_help_is_one_short_line():
+    """Every option of the config sections (`fastanchor train --help`) and of every benchmark's options
+    (`fastanchor bench WHAT --help`) has a help text of one line of at most HELP_LIMIT characters."""
+    declared = [(f"{section}.{f.name}", f) for section, cls in _section_classes().items() for f in dataclasses.fields(cls)]
+    declared += [(f"{cls.__name__}.{f.name} (--{f.name.replace('_', '-')})", f)  # named by the class declaring it
+                 for cls in vars(bench_options).values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+                 for f in dataclasses.fields(cls) if f.name in vars(cls).get("__annotations__", {})]
+    assert any(name.startswith("StepOptions.") for name, _ in declared)
+    missing = [name for name, f in declared if not f.metadata.get("help")]
+    assert not missing, "options without help: " + ", ".join(missing)
+    offending = []
+    for name, f in declared:
+        text = f.metadata["help"]
+        if "\n" in text:
+            offending.append(f"{name}: more than one line: {text!r}")
+        elif len(text) > HELP_LIMIT:
+            offending.append(f"{name}: {len(text)} characters: {text!r}")
+    assert not offending, (f"help longer than {HELP_LIMIT} characters or not one line (move the why to docs/):\n"
+                           + "\n".join(offending))
 
 
 def test_parse_override_reads_yaml_values():

@@ -27,7 +27,9 @@ RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 def option(default, help_text, **kwargs):
     """A dataclass field with its default and its help (`--help`, `fastanchor train --help`), plus checks such as
-    `choices`; the config sections and every benchmark's options (benchmarks/options.py) are declared with it."""
+    `choices`; the config sections and every benchmark's options (benchmarks/options.py) are declared with it.
+    `help_text` is one line of at most 100 characters (tests/test_config.py): what the option is and its values;
+    the why goes in docs/."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help_text, **kwargs})
     return field(default=default, metadata={"help": help_text, **kwargs})
@@ -35,44 +37,44 @@ def option(default, help_text, **kwargs):
 
 @dataclass
 class DataConfig:
-    dataset: str = option("embedded", "'embedded' (generated procedurally into data.root), 'folder' (your ImageFolder tree) or 'cifar' (data.cifar_dir decoded once into data.root)", choices=("embedded", "folder", "cifar"))
-    cifar_dir: str = option("", "cifar: the CIFAR-10 or CIFAR-100 python-pickle directory (cifar-10-batches-py or cifar-100-python), decoded once into data.root as an ImageFolder tree of lossless PNGs (train_split from the training batches, val_split from the test batch)")
+    dataset: str = option("embedded", "embedded (generated into data.root), folder (your ImageFolder tree) or cifar (from data.cifar_dir)", choices=("embedded", "folder", "cifar"))
+    cifar_dir: str = option("", "cifar: the CIFAR-10/100 python-pickle directory, decoded once into data.root as PNGs")
     root: str = option("data/embedded", "dataset root holding the split folders, each an ImageFolder tree (<split>/<class>/<image>)")
     train_split: str = option("train", "training split folder under data.root")
     val_split: str = option("val", "validation split folder under data.root")
     ood_split: str = option("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
-    loader: str = option("torchvision", "data loader: torchvision DataLoader over the ImageFolder, FFCV over .beton files written from it (<root>/ffcv/<write settings>/<split>.beton, e.g. ffcv/max512_q90_jpeg100/train.beton, written on first use or by `prepare --format ffcv`), or NVIDIA DALI reading the ImageFolder (decoding on the CPU, or on the GPU with nvJPEG when training on CUDA)", choices=("torchvision", "ffcv", "dali"))
+    loader: str = option("torchvision", "data loader: torchvision DataLoader, FFCV (.beton files written from the tree) or NVIDIA DALI", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = option(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = option(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = option(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")
     ffcv_write_workers: int = option(0, "FFCV: processes that decode and encode images while writing a .beton (0: one per CPU core)")
-    ffcv_order: str = option("quasi_random", "FFCV: training sample order; quasi_random (page-aware shuffle, for datasets larger than RAM) or random (a full shuffle)", choices=("quasi_random", "random"))
-    ffcv_os_cache: bool = option(True, "FFCV: read the .beton through the OS page cache (true: for files that fit in RAM) or FFCV's own process cache (false: for larger files, best with quasi_random)")
-    image_size: int = option(32, "training and evaluation crop size in pixels (evaluation always uses it, also with progressive resizing)")
-    resolution_start: int = option(0, "progressive resizing: training resolution up to epoch resolution_ramp_start_epoch (0 with resolution_end 0 disables progressive resizing; 0 alone means data.image_size)")
-    resolution_end: int = option(0, "progressive resizing: training resolution from epoch resolution_ramp_end_epoch on (0: data.image_size)")
+    ffcv_order: str = option("quasi_random", "FFCV: training sample order: quasi_random (page-aware shuffle) or random (a full shuffle)", choices=("quasi_random", "random"))
+    ffcv_os_cache: bool = option(True, "FFCV: read the .beton through the OS page cache (true) or FFCV's own process cache (false)")
+    image_size: int = option(32, "training and evaluation crop size in pixels (evaluation always uses it)")
+    resolution_start: int = option(0, "progressive resizing: resolution up to resolution_ramp_start_epoch (0: data.image_size; both 0: off)")
+    resolution_end: int = option(0, "progressive resizing: resolution from resolution_ramp_end_epoch on (0: data.image_size)")
     resolution_ramp_start_epoch: int = option(0, "progressive resizing: last epoch (counted from 0) at resolution_start")
-    resolution_ramp_end_epoch: int = option(0, "progressive resizing: first epoch (counted from 0) at resolution_end; in between, linear, rounded to the nearest multiple of resolution_step")
+    resolution_ramp_end_epoch: int = option(0, "progressive resizing: first epoch (counted from 0) at resolution_end; linear in between")
     resolution_step: int = option(32, "progressive resizing: intermediate resolutions are multiples of this (pixels)")
-    crop_ratio: float = option(0.875, "evaluation centre-crop ratio: resize to image_size / crop_ratio, then crop image_size (224/256 = 0.875)")
-    train_crop: str = option("random_resized", "training crop: random_resized (random area in [min_scale, 1], aspect 3/4-4/3, resized to image_size) or padded (CIFAR's: pad data.crop_padding pixels of black, crop image_size at a random offset; images must be image_size already)", choices=("random_resized", "padded"))
+    crop_ratio: float = option(0.875, "evaluation centre-crop ratio: resize to image_size / crop_ratio, crop image_size (224/256 = 0.875)")
+    train_crop: str = option("random_resized", "training crop: random_resized (area in [min_scale, 1], aspect 3/4-4/3) or padded (CIFAR's)", choices=("random_resized", "padded"))
     crop_padding: int = option(4, "train_crop padded: pixels of padding on each side")
     min_scale: float = option(0.35, "lower bound of the random-resized-crop area scale for training")
     batch_size: int = option(128, "training batch size (per process)")
     eval_batch_size: int = option(256, "evaluation batch size")
-    workers: int = option(2, "data-loading worker processes (0 decodes in the main process); FFCV and DALI: decoding threads (0 means 1)")
+    workers: int = option(2, "data-loading worker processes (0: the main process); FFCV and DALI: decoding threads (0: 1)")
     drop_last: bool = option(True, "drop the last incomplete training batch")
 
 
 @dataclass
 class AugmentConfig:
-    hflip: bool = option(True, "horizontal flip of each training image with probability 1/2, in every loader and crop (true for natural images; false where a mirror changes the image's meaning: digits, text, medical scans); eval.flip_tta is separate and still mirrors at evaluation when set")
-    auto_augment: str = option("none", "per-image augmentation policy after the crop and flip (torchvision's --auto-augment): autoaugment (ImageNet policy), randaugment, trivialaugment_wide; torchvision loader: torchvision transforms per image, DALI: nvidia.dali.auto_aug on the device, FFCV: refused", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
-    augmix: bool = option(False, "AugMix (torchvision's v2.AugMix operations and mixing) per image on the device batch, after the loader's policy and before random erasing, for every loader")
+    hflip: bool = option(True, "flip each training image left-right with probability 1/2, in every loader and crop")
+    auto_augment: str = option("none", "per-image policy after the crop and flip (torchvision's --auto-augment); torchvision and DALI only", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
+    augmix: bool = option(False, "AugMix (torchvision's v2.AugMix) per image on the device batch, for every loader")
     augmix_severity: int = option(3, "AugMix severity of its operations (1 to 10)")
-    random_erasing: float = option(0.0, "probability of erasing one random rectangle per training image (torchvision's RandomErasing: area 2-33%, aspect 0.3-3.3, filled with the mean colour), on the device batch before anchoring, for every loader")
-    mixup_alpha: float = option(0.0, "Mixup: mixing weight drawn from Beta(alpha, alpha) per batch (0 disables); applied on the device to the network input, masked samples keep their uniform target")
-    cutmix_alpha: float = option(0.0, "CutMix: box area fraction drawn from Beta(alpha, alpha) per batch (0 disables); the weight is corrected to the box actually pasted")
+    random_erasing: float = option(0.0, "probability of erasing one random rectangle per training image (torchvision's RandomErasing)")
+    mixup_alpha: float = option(0.0, "Mixup: mixing weight drawn from Beta(alpha, alpha) per batch (0 disables)")
+    cutmix_alpha: float = option(0.0, "CutMix: box area fraction drawn from Beta(alpha, alpha) per batch (0 disables)")
     mix_prob: float = option(1.0, "probability that a batch is mixed at all (Mixup/CutMix)")
     switch_prob: float = option(0.5, "with both Mixup and CutMix enabled: probability of CutMix for a mixed batch")
 
@@ -93,16 +95,16 @@ class ModelConfig:
     name: str = option("fastanchor_resnet_tiny", "timm model name, or torchvision/<name> for a torchvision classification model")
     pretrained: bool = option(False, "start from pretrained 3-channel weights (both halves of the widened first layer get them)")
     drop_rate: float = option(0.0, "dropout before the classifier (timm models)")
-    blurpool: bool = option(False, "anti-aliased downsampling (BlurPool, timm's aa_layer: a 3x3 binomial blur before each stride) for timm ResNets (resnet18, resnet50, ...)")
+    blurpool: bool = option(False, "anti-aliased downsampling (BlurPool, timm's aa_layer) for timm ResNets")
 
 
 @dataclass
 class AnchorConfig:
-    enabled: bool = option(True, "anchored training (input [r, x - r], 6 channels); false trains the standard model with the same trainer")
+    enabled: bool = option(True, "anchored training (input [r, x - r], 6 channels); false: the standard model, same trainer")
     alpha: float = option(0.2, "reference-masking probability: input [0, x - r] with a uniform target")
     mask_level: str = option("batch", "mask whole batches (the paper) or single samples", choices=("batch", "sample"))
-    first_layer: str = option("duplicate", "init of the 6-channel first layer: duplicate the 3-channel weights [W, W] (exact for pretrained weights) or fresh (the authors' code, random init only)", choices=("duplicate", "fresh"))
-    masked_batchnorm: str = option("skip", "BatchNorm running statistics under batch-level masking: skip masked batches or update from them too (the paper's plain BatchNorm); sample-level masking always updates", choices=("skip", "update"))
+    first_layer: str = option("duplicate", "init of the 6-channel first layer: duplicate the 3-channel weights [W, W] or fresh", choices=("duplicate", "fresh"))
+    masked_batchnorm: str = option("skip", "BatchNorm running statistics under batch-level masking: skip masked batches or update from them", choices=("skip", "update"))
     masked_target: str = option("uniform", "target of masked samples: uniform (the paper) or label (the authors' released code)", choices=("uniform", "label"))
     references: str = option("derangement", "training reference source: in-batch derangement, a bank of recent samples, or a fixed set", choices=("derangement", "bank", "fixed"))
     bank_size: int = option(1024, "capacity of the device-resident reference bank (references: bank)")
@@ -114,7 +116,7 @@ class AnchorConfig:
 class OptimConfig:
     name: str = option("sgd", "optimizer: sgd (with momentum, nesterov optional) or adamw", choices=("sgd", "adamw"))
     lr: float = option(0.2, "peak learning rate (at the global batch optim.lr_batch when that is set)")
-    lr_batch: int = option(0, "global batch size (data.batch_size x processes) at which optim.lr was tuned: the peak rate is scaled linearly to the actual global batch (Goyal et al.); 0 uses optim.lr as given")
+    lr_batch: int = option(0, "global batch optim.lr was tuned at; the rate is scaled linearly to the actual one (0: as given)")
     momentum: float = option(0.9, "SGD momentum")
     nesterov: bool = option(True, "Nesterov momentum for SGD")
     betas: list = option([0.9, 0.999], "AdamW betas")
@@ -122,7 +124,7 @@ class OptimConfig:
     label_smoothing: float = option(0.0, "label smoothing of the hard-label targets")
     schedule: str = option("cosine", "learning-rate schedule after warmup", choices=("cosine", "step", "linear_ramp", "constant"))
     warmup_epochs: float = option(1.0, "linear warmup length in epochs (cosine, step, constant)")
-    warmup_start: float = option(0.0, "fraction of the peak rate the linear warmup starts from (torchvision's --lr-warmup-decay; 0: just above zero)")
+    warmup_start: float = option(0.0, "warmup's starting fraction of the peak rate (torchvision's --lr-warmup-decay; 0: just above zero)")
     min_lr_ratio: float = option(0.0, "cosine: the rate decays to this fraction of the peak (torchvision's --lr-min divided by --lr)")
     milestones: list = option([30, 60, 80], "epochs at which the step schedule multiplies the rate by gamma")
     gamma: float = option(0.1, "step-schedule decay factor")
@@ -136,34 +138,34 @@ class OptimConfig:
 class TrainConfig:
     epochs: int = option(10, "training epochs")
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-    amp: str = option("auto", "mixed precision: auto (bf16 on CUDA where supported, else fp16 with a grad scaler; off on CPU), bf16, fp16, off", choices=("auto", "bf16", "fp16", "off"))
+    amp: str = option("auto", "mixed precision: auto (bf16 on CUDA where supported, else fp16; off on CPU), bf16, fp16, off", choices=("auto", "bf16", "fp16", "off"))
     channels_last: bool = option(True, "channels-last memory layout for the model and its input")
     compile: bool = option(False, "torch.compile the model")
     seed: int = option(0, "seed of weights, data order, augmentation, references and masking")
     threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
     out_dir: str = option("runs", "directory under which the run directory is created")
     run_name: str = option("", "run directory name under out_dir (default: <model>-<standard|anchored>-<time>)")
-    log_interval: int = option(20, "steps between metric lines in metrics.jsonl; the loss is read from the device (and checked for nan/inf) only at these steps")
+    log_interval: int = option(20, "steps between metric lines in metrics.jsonl (and between nan/inf checks of the loss)")
     progress: bool = option(True, "show progress bars with images/s")
-    tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (training and validation scalars, evaluate's metrics); needs the tensorboard extra")
-    checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch); any checkpoint resumes exactly (--resume)")
-    keep_checkpoints: int = option(0, "newest checkpoints kept in <run>/checkpoints, mid-epoch and end-of-epoch alike; older ones are deleted (0 keeps all)")
-    nonfinite: str = option("stop", "on a nan/inf loss: stop the run naming the step (the last good checkpoint is kept), or skip that step's update (one device sync per step; skipped steps are counted in metrics.jsonl)", choices=("stop", "skip"))
-    deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off): bitwise-reproducible runs and resumes on the same machine, slower on GPU")
-    sync_bn: bool = option(False, "under torchrun with several processes on CUDA: synchronise BatchNorm statistics across processes (SyncBatchNorm)")
-    max_steps: int = option(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch); smoke-tests a recipe end to end")
+    tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (needs the tensorboard extra)")
+    checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch)")
+    keep_checkpoints: int = option(0, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
+    nonfinite: str = option("stop", "on a nan/inf loss: stop the run naming the step, or skip that step's update", choices=("stop", "skip"))
+    deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off)")
+    sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes (SyncBatchNorm; torchrun on CUDA)")
+    max_steps: int = option(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch)")
 
 
 @dataclass
 class EvalConfig:
     corruptions: list = option(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
-    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split (our implementation of the published definitions)")
+    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split")
     corruption_parameters: str = option("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
     severities: list = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = option(5, "K references per test sample for the mean prediction and the std score (anchored models)")
     seed: int = option(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
-    recalibrate_bn: int = option(0, "re-estimate BatchNorm running statistics on this many unmasked anchored training batches before evaluating (0: as saved)")
-    blt: bool = option(True, "also evaluate bilinear transduction (per-sample reference search) on the validation split (anchored models)")
+    recalibrate_bn: int = option(0, "re-estimate BatchNorm stats on this many unmasked training batches before evaluating (0: as saved)")
+    blt: bool = option(True, "also evaluate bilinear transduction on the validation split (anchored models)")
     blt_candidates: int = option(50, "BLT: candidate references searched per batch (a random subset of the inference reference set)")
     blt_residuals: int = option(1000, "BLT: training residuals r_a - r_b compared against, drawn from pairs of the inference reference set")
     c_root: str = option("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
@@ -171,26 +173,26 @@ class EvalConfig:
     cifar_c_root: str = option("", "CIFAR-10/100-C folder of <corruption>.npy (5 severities x N) and labels.npy ('' to skip)")
     imagenet_r: str = option("", "ImageNet-R ImageFolder, evaluated with the 200-class logit mask ('' to skip)")
     datasets: list = option([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
-    ood_sets: list = option([], "OOD ImageFolders for anomaly rejection besides data.ood_split (Textures, Places365, NINCO...), as name=path")
+    ood_sets: list = option([], "OOD ImageFolders besides data.ood_split (e.g. Textures, NINCO), as name=path")
     ood_positive: str = option("id", "positive class of AUPR and FPR95: id (SFT/RankFeat papers) or ood (pytorch-ood, OpenOOD v1.5)", choices=("id", "ood"))
-    react_percentile: float = option(90.0, "ReAct: clip penultimate activations at this percentile of their values on the inference reference set (training images)")
+    react_percentile: float = option(90.0, "ReAct: clip penultimate activations at this percentile of their values on the reference set")
     ece_bins: int = option(15, "equal-width confidence bins of the binned ECE")
     max_images: int = option(0, "evaluate at most this many images per set, a seeded random subset (0: all)")
     plots: bool = option(True, "write reliability diagram, OOD score histograms and accuracy vs severity under <run>/plots/")
-    flip_tta: bool = option(False, "test-time augmentation: average the logits of each image and its horizontal mirror (FFCV's lr_tta), in validation and evaluation")
+    flip_tta: bool = option(False, "average the logits of each image and its mirror (FFCV's lr_tta), in validation and evaluation")
 
 
 @dataclass
 class FinetuneOODConfig:
-    optimizer: str = option("sam_norm", "sam_norm: SAM perturbing only the normalisation layers (BatchNorm*, LayerNorm, GroupNorm, by module type; the SFT paper); sam: SAM perturbing every parameter; sgd: no perturbation (ablations). The descent step always updates every parameter", choices=("sam_norm", "sam", "sgd"))
+    optimizer: str = option("sam_norm", "sam_norm (SAM perturbing the norm layers only, the SFT paper), sam (all parameters) or sgd (none)", choices=("sam_norm", "sam", "sgd"))
     steps: int = option(50, "fine-tuning steps (batches of data.batch_size training images)")
     lr: float = option(1e-3, "learning rate of the descent step (SGD, constant)")
     momentum: float = option(0.9, "SGD momentum of the descent step")
     weight_decay: float = option(1e-5, "weight decay of the descent step (on every parameter)")
     rho: float = option(0.5, "SAM perturbation radius: the ascent moves the perturbed parameters by rho in L2 norm")
-    ood_weight: float = option(1.0, "lambda: weight of the distance to the uniform distribution on pseudo-OOD images, added to the ID cross-entropy")
-    jigsaw_grids: list = option([2, 3, 5, 10, 15, 30, 60], "jigsaw grids (patches per side), one drawn per step; grids larger than data.image_size are left out; where a grid does not divide the side, the leftover border rows/columns stay in place")
-    batchnorm: str = option("id_batches", "BatchNorm during fine-tuning: id_batches (normalise with batch statistics; running statistics updated only by the ID batch at the unperturbed weights), keep (normalise with batch statistics; running statistics kept as trained) or frozen (normalise with the running statistics, never updated)", choices=("id_batches", "keep", "frozen"))
+    ood_weight: float = option(1.0, "lambda: weight of the pseudo-OOD loss (distance to uniform) added to the ID cross-entropy")
+    jigsaw_grids: list = option([2, 3, 5, 10, 15, 30, 60], "jigsaw grids (patches per side), one drawn per step; grids larger than the image are left out")
+    batchnorm: str = option("id_batches", "BatchNorm: id_batches (only ID batches update running stats), keep (no update) or frozen (eval mode)", choices=("id_batches", "keep", "frozen"))
     seed: int = option(0, "seed of the data order, pseudo-OOD shuffles and references while fine-tuning")
 
 
