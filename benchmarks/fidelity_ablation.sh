@@ -24,3 +24,9 @@ bench v3_fresh_first_layer --arms masking --masked-batchnorm skip --set anchor.f
 bench v3_no_hflip --arms masking --masked-batchnorm skip --set augment.hflip=false
 # The plain 5-conv net instead of the demo's small ResNet (both arms).
 bench v3_convnet5 --arms standard,masking --masked-batchnorm skip --set model.name=fastanchor_convnet5
+# alpha 0.1 instead of the recipe's 0.25 (the paper's CIFAR value).
+bench v3_alpha_0.1 --arms masking --masked-batchnorm skip --set anchor.alpha=0.1
+# A CIFAR ResNet-18 instead of the demo's small ResNet (both arms), under bf16 autocast (these CPUs have
+# AVX512-BF16; in fp32 the six runs take about twice as long).
+bench v3_cifar_resnet18_bf16 --arms standard,masking --masked-batchnorm skip \
+  --set model.name=fastanchor_cifar_resnet18 --set train.amp=bf16

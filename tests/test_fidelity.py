@@ -14,7 +14,8 @@ from conftest import run_main
 from fastanchor.benchmarks import fidelity_control as control
 from fastanchor.benchmarks import readme as bench_readme
 from fastanchor.benchmarks.fidelity import (DEMO_BEGIN, DEMO_END, DEMO_TAG, README_BEGIN, README_END, config_knows,
-                                            control_settings, demo_block, readme_block, trainer_config)
+                                            control_settings, demo_block, readme_block, trainer_config,
+                                            training_precision)
 from fastanchor.benchmarks.options import FidelityOptions
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
@@ -141,6 +142,7 @@ def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
     text = readme.read_text()
     assert "old" not in text and "[fidelity-cpu.json](fidelity/fidelity-cpu.md)" in text and "| control |" in text
     assert text.count("re-estimated (2 batches)") == 2  # the BN statistics column, for both arms
+    assert text.count("| fp32 |") == 2  # the precision column: full precision on the CPU, trainer and control
 
     changed = fidelity(tiny_dataset, tmp_path, "--arms", "control", "--seeds", 1, "--set", "optim.lr=0.001")
     assert changed.returncode == 0 and "0 of 1 runs reused" in changed.stdout  # a changed setting retrains
@@ -159,6 +161,12 @@ def test_bench_fidelity_data_without_train_split(tmp_path):
 def test_bench_fidelity_bad_options(tmp_path):
     outcome = run_main("bench", "fidelity", "--arms", "standard,nonsense", "--out", tmp_path)
     assert outcome.returncode == 2 and "--arms" in outcome.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("amp, device, shown", [("bf16", "cpu", "bf16"), ("fp16", "cuda", "fp16"), ("auto", "cpu", "fp32"),
+                                                ("auto", "cuda", "auto"), ("off", "cuda", "fp32")])
+def test_ablation_precision_column_is_the_precision_training_ran_in(amp, device, shown):
+    assert training_precision(amp, device) == shown
 
 
 def test_committed_readme_fidelity_block_matches_committed_results():
