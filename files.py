@@ -1,7 +1,7 @@
 """Atomic file writing, for every layer: a file is either the previous one or the new one, never torn.
 
-`atomic_write_bytes` writes a temporary file beside the target (`.<name>.<random>.tmp`), fsyncs it,
-renames it over the target and fsyncs the directory. Checkpoints, result files, reports, manifests
+`atomic_path` hands out a temporary file beside the target (`.<name>.<random>.tmp`) to write, then fsyncs
+it, renames it over the target and fsyncs the directory; `atomic_write_bytes` writes it through a file object. Checkpoints, result files, reports, manifests
 and .beton files are all written this way.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -26,20 +27,29 @@ def current_umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call `write(file_object)` on a temporary file beside `path`, fsync, rename over `path`, fsync the directory."""
+@contextmanager
+def atomic_path(path: Path, mode: int = 0o666):
+    """Yield a temporary path beside `path` for the caller to write (by name: for writers that open files
+    themselves); then fsync it, give it `mode` less the umask, rename it over `path` and fsync the directory.
+    On any error the temporary file is removed and `path` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
+        yield Path(tmp)
+        with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() would have given
+        os.chmod(tmp, mode & ~current_umask())  # mkstemp's 0600 -> what open() would have given
         os.replace(tmp, path)
         fsync_directory(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Call `write(file_object)` on a temporary file beside `path`, then as `atomic_path`."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        write(handle)

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
-import os
 import queue
-import tempfile
 import threading
 import time
 import weakref
@@ -37,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.files import current_umask, fsync_directory
+from fastanchor.files import atomic_path
 from fastanchor.pipeline.imagefolder import ImageFolderIndex
 from fastanchor.pipeline.torchvision_loader import load_rgb
 
@@ -334,12 +332,8 @@ def write_beton(
     if len(index) == 0:
         raise DataError(f"cannot write '{path}': the image index of '{index.root}' is empty")
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path, mode=0o644) as tmp:
         mode = "jpg" if compress_probability >= 1.0 else "proportion"
         fields = {
             IMAGE_FIELD: RGBImageField(write_mode=mode, max_resolution=max_resolution, jpeg_quality=jpeg_quality,
@@ -347,20 +341,11 @@ def write_beton(
             LABEL_FIELD: IntField(),
         }
         workers = min(workers, len(index))
-        writer = _writer_class()(tmp, fields, page_size=_page_size(max_resolution), num_workers=workers,
+        writer = _writer_class()(str(tmp), fields, page_size=_page_size(max_resolution), num_workers=workers,
                                  progress=progress, target=path)
         chunksize = max(1, min(100, -(-len(index) // (4 * workers))))
         writer.from_indexed_dataset(RGBSamples(index), chunksize=chunksize)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
         info = _verify(tmp, path, index)
-        os.chmod(tmp, 0o644 & ~current_umask())
-        os.replace(tmp, path)
-        fsync_directory(path.parent)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     histogram = info.label_histogram()
     return {
         "path": str(path),
