@@ -1,8 +1,8 @@
 """Atomic file writing, for every layer: a file is either the previous one or the new one, never torn.
 
 `atomic_path` hands out a temporary file beside the target (`.<name>.<random>.tmp`) to write, then fsyncs
-it, renames it over the target and fsyncs the directory; `atomic_write_bytes` writes it through a file object. Checkpoints, result files, reports, manifests
-and .beton files are all written this way.
+it, renames it over the target and fsyncs the directory; `atomic_write_bytes` writes it through a file
+object. Checkpoints, result files, reports, manifests and .beton files are all written this way.
 """
 
 from __future__ import annotations

@@ -403,15 +403,17 @@ ABLATION_COLUMNS = ("model", "first layer", "masked BN", "alpha", "mask level", 
 
 def ablation_settings(run: dict) -> dict:
     """What tells one ablation row from another: model, first-layer init, BatchNorm policy, alpha, masking level,
-    flip, epochs, training precision, training crop, corruption strengths (the control's are fixed by its design: fresh first layer, plain
-    BatchNorm, batch-level masking; its crop and corruptions are the trainer arms' of the same file)."""
+    flip, epochs, training precision, training crop, corruption strengths (the control's are fixed by its design:
+    fresh first layer, plain BatchNorm, batch-level masking; its crop and corruptions are the trainer arms' of the
+    same file)."""
     s = run["settings"]
     if "control" in s:
         c = s["control"]
         masked = c["anchored"] and c["alpha"] > 0
         return {"model": c["model"], "first layer": "fresh" if c["anchored"] else "-", "masked BN": "update" if masked else "-",
                 "alpha": c["alpha"] if c["anchored"] else "-", "mask level": "batch" if masked else "-", "hflip": c["hflip"],
-                "epochs": c["epochs"], "precision": "bf16" if c.get("autocast") else "fp32", "crop": "-", "corruptions": "-", "BN statistics": bn_statistics(c.get("precise_bn", 0))}
+                "epochs": c["epochs"], "precision": "bf16" if c.get("autocast") else "fp32", "crop": "-", "corruptions": "-",
+                "BN statistics": bn_statistics(c.get("precise_bn", 0))}
     t = s["trainer_config"]
     a = t["anchor"]
     masked = a["enabled"] and a["alpha"] > 0
