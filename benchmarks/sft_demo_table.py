@@ -15,9 +15,16 @@ from pathlib import Path
 
 from fastanchor.files import atomic_write_bytes
 
-HEADER = """# SFT on the demo models: a settings sweep
 
-The two models are the demo recipe's (`fastanchor train --config demo`, 15 epochs; standard with
+def header(folder: Path) -> str:
+    """The table's preamble; the models' training length and architecture are read from the results."""
+    befores = [json.loads(path.read_text())["before"] for path in sorted(folder.glob("*/*/summary.json"))]
+    epochs = "/".join(str(e) for e in sorted({b["epoch"] for b in befores}))
+    models = "/".join(sorted({b["model"] for b in befores}))
+    return f"""# SFT on the demo models: a settings sweep
+
+The two models are the demo recipe's ({models}, {epochs} epochs on the embedded dataset: the two
+`fastanchor demo` trains, i.e. `fastanchor train --config demo`, standard with
 `--set anchor.enabled=false`), trained on a 2-core CPU machine. Each row is one
 `fastanchor finetune-ood` run of 50 steps from the same checkpoint, with the demo recipe's
 fine-tuning options (configs/demo.yaml: SAM on the normalisation layers, rho 0.5, lr 1e-4,
@@ -50,7 +57,7 @@ def sweep_rows(folder: Path) -> list[str]:
 
 
 def write_table(folder: Path) -> Path:
-    text = HEADER + "\n".join(sweep_rows(folder)) + "\n"
+    text = header(folder) + "\n".join(sweep_rows(folder)) + "\n"
     atomic_write_bytes(folder / "README.md", lambda handle: handle.write(text.encode()))
     return folder / "README.md"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.benchmarks.sft_demo_sweep import run_setting
-from fastanchor.benchmarks.sft_demo_table import HEADER, sweep_rows
+from fastanchor.benchmarks.sft_demo_table import header, sweep_rows
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.kernels.pseudo_ood import allowed_grids
 from fastanchor.pipeline.imagefolder import scan_image_folder
@@ -158,7 +158,7 @@ def test_the_committed_sft_sweep_table_is_generated_from_its_result_files():
     folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sft_demo"
     rows = sweep_rows(folder)
     assert len(rows) == 2 + len(list(folder.glob("*/*/summary.json"))) > 2
-    assert (folder / "README.md").read_text() == HEADER + "\n".join(rows) + "\n"
+    assert (folder / "README.md").read_text() == header(folder) + "\n".join(rows) + "\n"
 
 
 @pytest.mark.parametrize("batchnorm", ["keep", "id_batches"])
