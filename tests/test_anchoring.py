@@ -1,9 +1,10 @@
 """Exact anchoring semantics, checked against hand computations in float64."""
 
+import pytest
 import torch
 
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor_torch
-from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, draw_mask
+from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, draw_mask, make_reference_source
 from fastanchor.pipeline.references import FixedReferenceSet, ReferenceBank, derangement
 
 MEAN = torch.tensor(IMAGENET_MEAN_255, dtype=torch.float64).view(1, 3, 1, 1)
@@ -144,3 +145,17 @@ def test_fixed_reference_set_of_any_size():
         refs = FixedReferenceSet(pool).references_for(torch.zeros(64, 3, 2, 2, dtype=torch.uint8), generator)
         assert refs.shape == (64, 3, 2, 2)
         assert set(refs[:, 0, 0, 0].tolist()) <= set(range(size))
+
+
+@pytest.mark.parametrize("references", ["derangement", "bank"])
+def test_batch_level_masks_agree_on_every_rank(references):
+    """Under DDP every rank builds its stage with the run's seed (trainer/build.py) and sees its own shard of
+    images: the batch-level masks must still agree step by step, so that a masked step is masked on every
+    rank and rank 0's BatchNorm statistics (the ones DDP broadcasts and checkpoints) skip it too."""
+    ranks = []
+    for rank in range(2):
+        shard = [(random_uint8(6, 3, 4, 4, seed=100 * rank + step), torch.arange(6)) for step in range(200)]
+        stage = AnchoringStage(shard, AnchoringSpec(alpha=0.5, mask_level="batch"),
+                               references=make_reference_source(references, bank_size=12), seed=3)
+        ranks.append([bool(batch.masked[0]) for batch in stage])
+    assert ranks[0] == ranks[1] and 60 < sum(ranks[0]) < 140
