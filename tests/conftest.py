@@ -1,13 +1,20 @@
 import contextlib
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# FFCV compiles its decode and transform pipeline with numba for every loader it builds (dozens in this
+# suite); LLVM's optimisation passes cost about 1.5 s a loader and buy nothing on the tests' few tiny
+# batches. Compiled at -O0 the pipelines run the same code with the same semantics, only slower; speed is
+# measured by `fastanchor bench`, never here. Set before numba is first imported (fastanchor.cli imports it).
+os.environ.setdefault("NUMBA_OPT", "0")
 
-from fastanchor.cli import main
-from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
+import pytest  # noqa: E402
+
+from fastanchor.cli import main  # noqa: E402
+from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset  # noqa: E402
 
 TINY_SPEC = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
 FASTANCHOR = str(Path(sys.executable).with_name("fastanchor"))
