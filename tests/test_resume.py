@@ -24,8 +24,8 @@ from fastanchor.trainer.checkpoint import (
 
 # Deterministic CPU settings; the bank reference source makes the bank's contents part of the state,
 # a DataLoader worker process makes the data order and augmentation cross a process boundary; batch-level
-# masking at alpha 0.5 with masked_batchnorm skip (the default) puts masked steps, whose BatchNorm running
-# statistics are put back, on both sides of the kill (the mask generator is the one sample-level masks use).
+# masking at alpha 0.5 with masked_batchnorm skip (the default) makes about half the steps ones whose BatchNorm
+# running statistics are put back (the mask generator is the one sample-level masks use).
 RESUMABLE = {
     "data.batch_size": 8, "data.workers": 1, "train.epochs": 2, "train.threads": 1, "train.deterministic": "true",
     "train.checkpoint_interval": 1, "train.keep_checkpoints": 3, "train.log_interval": 2, "optim.name": "sgd",
