@@ -31,7 +31,7 @@ def tiny_dataset(tmp_path_factory) -> Path:
 def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
     """`--set` overrides for a few CPU steps of the demo recipe on the tiny dataset."""
     values = {
-        "data.root": data_root, "data.batch_size": 16, "data.eval_batch_size": 32, "data.workers": 0,
+        "train.device": "cpu", "data.root": data_root, "data.batch_size": 16, "data.eval_batch_size": 32, "data.workers": 0,
         "train.out_dir": out_dir, "train.epochs": 1, "train.progress": False, "anchor.inference_references": 8,
         **{f"embedded.{k}": v for k, v in TINY_SPEC.items()}, "eval.severities": "[3]",
         "eval.corruptions": "[gaussian_noise, defocus_blur, contrast]", "eval.num_references": 3,

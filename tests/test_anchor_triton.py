@@ -2,20 +2,21 @@
 
 Without a GPU the kernel runs under the Triton interpreter on CPU tensors (TRITON_INTERPRET=1, set
 below before anything launches a kernel; `anchor_triton` wraps its kernel with `triton.jit` on first
-use, so it does not matter that conftest imported fastanchor first). On a CUDA machine run with
-TRITON_INTERPRET=0 to test the compiled kernel on the GPU.
+use, so it does not matter that conftest imported fastanchor first). On a CUDA machine the compiled
+kernel runs on the GPU (TRITON_INTERPRET=1 there tests the interpreter instead).
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 try:
     import triton  # noqa: E402, F401

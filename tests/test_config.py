@@ -17,6 +17,12 @@ def test_demo_recipe_loads_and_overrides_apply():
     assert config.train.run_name == "x"
 
 
+def test_a_choice_spelled_off_is_not_read_as_a_yaml_boolean():
+    assert load_config("demo", ["train.amp=off"]).train.amp == "off"  # YAML 1.1 reads `off` as false
+    with pytest.raises(ConfigError, match="config key 'train.amp' expects str, got True"):
+        load_config("demo", ["train.amp=true"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("anchor.alpha=1.5", "anchor.alpha = 1.5: expected a probability in [0, 1]"),
     ("anchor.alpha=-0.1", "anchor.alpha = -0.1"),

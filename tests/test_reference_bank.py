@@ -1,8 +1,8 @@
 """The reference bank filled by the fused anchoring op, step by step, against an independent
 float-free simulation of the ring buffer (a deque of the last `capacity` images).
 
-Each implementation (torch reference, numba, Triton under TRITON_INTERPRET=1 -- or compiled, on a
-GPU, with TRITON_INTERPRET=0 -- and the AnchoringStage that dispatches) runs the same steps:
+Each implementation (torch reference, numba, Triton under TRITON_INTERPRET=1 without a GPU -- or
+compiled, on a GPU -- and the AnchoringStage that dispatches) runs the same steps:
 batches smaller and larger than the capacity, a batch larger than the first (the bank grows its headroom), a batch of one, and a
 change of image size (progressive resizing: the bank starts over). After every step the bank
 holds exactly the simulated images, and every reference used was one of the images held before
@@ -13,12 +13,13 @@ content, another image of the same batch.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read at launch: see tests/test_anchor_triton.py
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # read at launch: see tests/test_anchor_triton.py
 
 from collections import deque  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from fastanchor.kernels import anchor_numba, anchor_torch, anchor_triton  # noqa: E402
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage  # noqa: E402

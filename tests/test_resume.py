@@ -43,10 +43,17 @@ def read_jsonl(path):
 
 
 def test_run_killed_mid_epoch_resumes_to_bitwise_identical_weights(tiny_dataset, tmp_path):
-    whole = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **RESUMABLE, **{"train.run_name": "whole"}))
+    kill_and_resume(tiny_dataset, tmp_path, RESUMABLE)
+
+
+def kill_and_resume(data, tmp_path, settings: dict) -> dict:
+    """Train `settings` whole, and again killed (SIGKILL) after a mid-epoch checkpoint and resumed with
+    `--resume auto`; assert that weights, optimiser state and metrics are bitwise the same. Returns the
+    checkpoint resumed from (tests/test_gpu.py runs this on CUDA)."""
+    whole = run_main("train", *tiny_overrides(data, tmp_path, **settings, **{"train.run_name": "whole"}))
     assert whole.returncode == 0, whole.stderr
 
-    killed_args = tiny_overrides(tiny_dataset, tmp_path, **RESUMABLE, **{"train.run_name": "killed"})
+    killed_args = tiny_overrides(data, tmp_path, **settings, **{"train.run_name": "killed"})
     checkpoints = tmp_path / "killed" / "checkpoints"
     process = subprocess.Popen([FASTANCHOR, "train", *killed_args], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -62,7 +69,7 @@ def test_run_killed_mid_epoch_resumes_to_bitwise_identical_weights(tiny_dataset,
     latest = latest_checkpoint(checkpoints)
     state = load_checkpoint(latest)
     assert 0 < state["batch_in_epoch"] < state["steps_per_epoch"], "expected a mid-epoch checkpoint to resume from"
-    assert state["ranks"][0]["references"]["filled"] == 16  # a full bank travels with it
+    assert state["ranks"][0]["references"]["filled"] == settings["anchor.bank_size"]  # a full bank travels with it
 
     resumed = run_main("train", "--resume", "auto", *killed_args)
     assert resumed.returncode == 0, resumed.stderr
@@ -78,7 +85,8 @@ def test_run_killed_mid_epoch_resumes_to_bitwise_identical_weights(tiny_dataset,
             assert torch.equal(tensor, got["optimizer"]["state"][index][name]), (index, name)
     assert without_timing(read_jsonl(tmp_path / "killed" / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "whole" / "metrics.jsonl"))
-    assert len(list_checkpoints(checkpoints)) == RESUMABLE["train.keep_checkpoints"]
+    assert len(list_checkpoints(checkpoints)) == settings["train.keep_checkpoints"]
+    return state
 
 
 SAVER = """

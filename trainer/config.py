@@ -258,6 +258,9 @@ def _coerce(key: str, value, f: dataclasses.Field, section_cls: type):
     elif origin is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        spelled = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
+        if spelled in (f.metadata.get("choices") or ()):  # YAML 1.1 reads `amp: off` as false
+            return spelled
     elif origin is list:
         if isinstance(value, (list, tuple)):
             return list(value)

@@ -1,0 +1,158 @@
+"""The CUDA paths, each run once on the GPU: the compiled Triton op at training sizes (with and without
+the bank's fused write, every output dtype, large and odd batches), AugMix and nvJPEG decoding on CUDA
+tensors, anchored training under bf16 autocast with channels-last (eager and torch.compile, the
+torchvision and FFCV loaders), a kill-and-resume that is bitwise with the CUDA RNG state under
+train.deterministic, and a one-process NCCL run through torchrun.
+
+Without a CUDA device they are skipped. FASTANCHOR_TEST_DEVICE=cpu runs the same tests on the CPU at
+tiny sizes (the Triton op under its interpreter): the rehearsal of `benchmarks/run_gpu.sh --device cpu`.
+"""
+
+import os
+
+import torch
+
+DEVICE = os.environ.get("FASTANCHOR_TEST_DEVICE", "cuda")
+os.environ.setdefault("TRITON_INTERPRET", "1" if DEVICE == "cpu" else "0")  # read when the kernel is first built
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (none on this machine; FASTANCHOR_TEST_DEVICE=cpu rehearses these tests on the CPU)",
+                allow_module_level=True)
+
+from conftest import run_main, tiny_overrides  # noqa: E402
+from fastanchor import kernels  # noqa: E402
+from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader  # noqa: E402
+from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor_backend, anchor_torch, anchor_triton  # noqa: E402
+from fastanchor.pipeline.augmix import DeviceAugMix  # noqa: E402
+from fastanchor.pipeline.imagefolder import scan_image_folder  # noqa: E402
+from test_distributed import torchrun  # noqa: E402
+from test_resume import RESUMABLE, kill_and_resume  # noqa: E402
+
+ON_GPU = DEVICE == "cuda"
+# (batch, height, width): the benchmark's ResNet-50 batch, an odd one, and 1024 images at 224 px (1.2 GB of
+# float32 output: offsets past 2**28); on the CPU, sizes the interpreter gets through in seconds
+OP_SIZES = [(256, 176, 176), (257, 175, 177), (1024, 224, 224)] if ON_GPU else [(4, 9, 11), (5, 7, 13)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# a failing kernel falls back to the torch path with a warning: here that is an error
+pytestmark = pytest.mark.filterwarnings("error:.*anchoring kernel failed:UserWarning")
+
+
+def random_uint8(*shape, seed):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("size", OP_SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bank_write", [False, True], ids=["pool", "bank-write"])
+def test_triton_op_at_training_sizes_matches_the_torch_reference(size, dtype, bank_write):
+    b, h, w = size
+    if b == 1024 and (dtype != torch.float32 or bank_write):
+        pytest.skip("the 1024-image case runs once, float32 from a pool (the largest output)")
+    images = random_uint8(b, h, w, 3, seed=b + h).permute(0, 3, 1, 2).clamp_(max=254)  # a loader's NHWC batch
+    masked = torch.rand(b, generator=torch.Generator().manual_seed(w)).lt(0.25).to(DEVICE)
+    slots_total = b + 64
+    pool = random_uint8(slots_total, 3, h, w, seed=h + w).contiguous(memory_format=torch.channels_last)
+    order = torch.randperm(slots_total, generator=torch.Generator().manual_seed(b)).to(DEVICE)
+    slots, readable = order[:b], order[b:]
+    index = readable[torch.randint(len(readable), (b,), generator=torch.Generator().manual_seed(h)).to(DEVICE)]
+    write = {"bank": pool.clone(), "bank_slots": slots} if bank_write else {}
+    expected_write = {"bank": pool.clone(), "bank_slots": slots} if bank_write else {}
+    got = anchor_triton(images, pool if not bank_write else write["bank"], masked, IMAGENET_MEAN_255, IMAGENET_STD_255,
+                        dtype, reference_index=index, **write)
+    want = anchor_torch(images, pool if not bank_write else expected_write["bank"], masked, IMAGENET_MEAN_255,
+                        IMAGENET_STD_255, dtype, reference_index=index, **expected_write)
+    assert got.device.type == DEVICE and got.dtype == dtype and got.shape == (b, 6, h, w)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)  # the same float32 operations in the same order
+    else:  # within one ulp of the dtype
+        tol = torch.finfo(dtype).eps * want.float().abs() + torch.finfo(dtype).smallest_normal
+        bad = (got.float() - want.float()).abs() > tol
+        assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements off by more than one ulp"
+    assert torch.count_nonzero(got[masked, :3]) == 0
+    if bank_write:
+        assert torch.equal(write["bank"][slots], images) and torch.equal(write["bank"], expected_write["bank"])
+
+
+def test_the_dispatcher_picks_the_fused_kernel_for_device_tensors():
+    images, pool = random_uint8(2, 3, 8, 8, seed=0), random_uint8(4, 3, 8, 8, seed=1)
+    assert anchor_backend(images, pool, torch.bfloat16) == ("triton" if ON_GPU else "torch")
+
+
+def test_augmix_on_the_device_is_reproducible_and_keeps_the_batch_contract():
+    images = random_uint8(6, 3, 40, 40, seed=2)
+    first, again, other = DeviceAugMix(seed=5)(images), DeviceAugMix(seed=5)(images), DeviceAugMix(seed=6)(images)
+    assert first.device == images.device and first.dtype == torch.uint8 and first.shape == images.shape
+    assert first.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(first, again) and not torch.equal(first, other) and not torch.equal(first, images)
+
+
+def test_nvjpeg_decodes_as_libjpeg_turbo_does(tiny_dataset):
+    """The benchmark's GPU decode path against torchvision's CPU decoder: same files, same crops; the two
+    decoders' IDCTs and the two resizes round differently, by about a grey level on average."""
+    index = scan_image_folder(tiny_dataset / "train")
+    settings = dict(batch_size=8, image_size=24, min_scale=0.35, workers=2, seed=3)
+    device_batches = list(NvjpegLoader(index, device=DEVICE, **settings))
+    cpu_batches = list(NvjpegLoader(index, device="cpu", **settings))
+    assert len(device_batches) == len(cpu_batches) == len(index.samples) // 8
+    for (images, labels), (cpu_images, cpu_labels) in zip(device_batches, cpu_batches):
+        assert images.device.type == DEVICE and images.dtype == torch.uint8 and images.shape == (8, 3, 24, 24)
+        assert torch.equal(labels.cpu(), cpu_labels)
+        difference = (images.cpu().float() - cpu_images.float()).abs()
+        assert difference.mean() < 1.5 and difference.max() <= 64, (difference.mean(), difference.max())
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train(data, out, **settings):
+    """Anchored training on `DEVICE` under bf16 autocast, channels-last, in this process."""
+    result = run_main("train", *tiny_overrides(data, out, **{
+        "train.device": DEVICE, "train.amp": "bf16", "train.channels_last": "true", "train.log_interval": 1,
+        "anchor.alpha": 0.5, **settings}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not kernels._failed, f"anchoring kernels fell back to the torch path: {kernels._failed}"
+    return out / settings["train.run_name"]
+
+
+@pytest.mark.parametrize("loader, compiled, extra", [
+    ("torchvision", False, {"augment.augmix": "true"}),
+    ("torchvision", True, {"anchor.references": "bank", "anchor.bank_size": 16}),
+    ("ffcv", False, {"anchor.references": "bank", "anchor.bank_size": 16}),
+])
+def test_anchored_training_steps_under_bf16_and_channels_last(tiny_dataset, tmp_path, loader, compiled, extra):
+    run = train(tiny_dataset, tmp_path, **{"data.loader": loader, "train.compile": str(compiled).lower(),
+                                           "train.run_name": "run", **extra})
+    records = read_jsonl(run / "metrics.jsonl")
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 48 // 16 and all(torch.isfinite(torch.tensor(losses)))
+    epoch = [r for r in records if "val_top1" in r][-1]
+    assert epoch["train_input_shape"] == [6, 32, 32] and 0 <= epoch["val_top1"] <= 100
+    state = torch.load(run / "final.pt", weights_only=True)
+    first_conv = [v for v in state["model"].values() if v.ndim == 4][0]
+    assert first_conv.shape[1] == 6 and torch.isfinite(first_conv).all()
+
+
+def test_a_bf16_step_gives_the_float32_loss_within_rounding(tiny_dataset, tmp_path):
+    first = {}
+    for amp in ("bf16", "off"):
+        run = train(tiny_dataset, tmp_path, **{"train.amp": amp, "train.max_steps": 1, "train.run_name": f"amp-{amp}"})
+        first[amp] = read_jsonl(run / "metrics.jsonl")[0]["loss"]
+    assert abs(first["bf16"] - first["off"]) < 0.05, first
+
+
+def test_a_killed_run_resumes_bitwise_with_the_device_random_state(tiny_dataset, tmp_path):
+    state = kill_and_resume(tiny_dataset, tmp_path, {**RESUMABLE, "train.device": DEVICE, "train.amp": "bf16"})
+    assert ("cuda" in state["ranks"][0]["rng"]) == ON_GPU
+
+
+def test_one_process_run_through_torchrun(tiny_dataset, tmp_path):
+    """torchrun with one process: the process group (NCCL on CUDA, gloo on the CPU), the DDP wrapper."""
+    torchrun(1, "train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.device": DEVICE, "train.run_name": "ddp"}))
+    assert (tmp_path / "ddp" / "final.pt").exists()
