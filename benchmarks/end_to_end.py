@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch.profiler import record_function
+
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
-from fastanchor.benchmarks.harness import Case, Derived, not_available, time_epoch
+from fastanchor.benchmarks.harness import Case, Derived, not_available, time_epoch, write_profile
 from fastanchor.benchmarks.loaders import (
     LoaderUnavailable, check_loader_names, describe_images, make_loader, make_request,
 )
@@ -105,6 +107,30 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
              f"{images['mean_width']:.0f} x {images['mean_height']:.0f} px), {request.workers} workers; {model} at "
              f"{image_size} px, batch {batch_size}, amp {options.amp}, channels-last {options.channels_last}; anchored "
              f"with alpha {options.alpha}; one epoch per repetition, first {options.warmup_batches} batches untimed"]
-    return run_and_write("e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                         config_extra={"resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
-                                                    "workers": request.workers}, "dataset": images})
+    result, paths = run_and_write("e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
+                                  config_extra={"resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
+                                                             "workers": request.workers}, "dataset": images})
+    if options.profile_batches and cases[0].run is not None:
+        path = paths["json"].with_name(paths["json"].stem + "-profile.txt")
+        write_profile(lambda: profiled_batches(loader, anchored_stage, anchored, options.profile_batches), device, path)
+        print(f"profile ({options.profile_batches} anchored batches, torch.profiler): {path}")
+    return result, paths
+
+
+def profiled_batches(loader, stage: AnchoringStage, setup: TrainingSetup, batches: int) -> None:
+    """Anchored batches with the loader's wait, the stage and the step marked as profiler ranges."""
+    iterator = iter(loader)
+    try:
+        for _ in range(batches):
+            with record_function("e2e: loader (wait for the next batch)"):
+                item = next(iterator, None)
+            if item is None:
+                break
+            with record_function("e2e: anchoring stage"):
+                batch = stage.process(*item)
+            with record_function("e2e: training step"):
+                setup.step(batch)
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -79,6 +80,24 @@ def time_epoch(batches: Iterable, warmup_batches: int, consume: Callable[[object
         raise ConfigError(f"an epoch gave {seen} batches: the benchmark needs more than warmup_batches = "
                           f"{warmup_batches} (use more images or a smaller batch)")
     return Measurement(images, time.perf_counter() - started)
+
+
+def write_profile(run: Callable[[], None], device: torch.device, path: Path, rows: int = 40) -> Path:
+    """torch.profiler over `run()` (CPU operators, and the CUDA kernels on a GPU): the operators and the
+    `record_function` ranges `run` marks, busiest first by self time on the device, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastanchor.files import atomic_write_bytes
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiler:
+        run()
+        synchronize(device)
+    averages = profiler.key_averages()
+    tables = [averages.table(sort_by="self_device_time_total", row_limit=rows)] if cuda else []
+    tables.append(averages.table(sort_by="cpu_time_total", row_limit=rows))  # ranges include their children
+    atomic_write_bytes(path, lambda handle: handle.write("\n\n".join(tables).encode()))
+    return path
 
 
 def run_interleaved(cases: list[Case], *, repetitions: int, warmup_rounds: int, progress: bool = True,

@@ -191,6 +191,7 @@ class EndToEndOptions(ImageDataOptions, TrainingOptions):
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     alpha: float = option(0.2, "reference-masking probability of the anchored runs (batch level, as the trainer)")
     naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
+    profile_batches: int = option(0, "then profile this many anchored batches (torch.profiler table beside the result; 0: none)")
 
     def checks(self):
         if self.model:
@@ -199,6 +200,7 @@ class EndToEndOptions(ImageDataOptions, TrainingOptions):
             ("loader", self.loader == "" or self.loader in LOADER_NAMES, f"one of {', '.join(LOADER_NAMES)}"),
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2"),
             ("alpha", 0 <= self.alpha <= 1, "a probability in [0, 1]"),
+            ("profile_batches", self.profile_batches >= 0, "0 (no profile) or a number of batches"),
         ]
 
 

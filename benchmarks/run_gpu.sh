@@ -1,71 +1,120 @@
 #!/usr/bin/env bash
-# The full GPU benchmark set on one CUDA device (H100 class), in the issue's target configuration:
-# ResNet-50, 176 px, bf16, channels-last, batch 256; GPU decode through torchvision's nvJPEG
-# (`decode_jpeg(device="cuda")`), since DALI wheels may be absent there. Each stage fits in a few
-# minutes (together about 15); run them one by one where commands are time-limited:
+# Everything a CUDA machine has to tell us (issue 17), in two runs of under 10 minutes each:
 #
-#   benchmarks/run_gpu.sh check      # what is importable here (the benchmarks need torch, torchvision,
-#                                    # timm, pyyaml, tqdm, matplotlib; OpenCV for the decode limit, FFCV optional)
-#   benchmarks/run_gpu.sh data       # the ImageNet-shaped dataset (10,000 JPEGs) under $DATA
-#   benchmarks/run_gpu.sh loader     # torchvision DataLoader / nvJPEG / FFCV / DALI, decode limit
-#   benchmarks/run_gpu.sh op         # Triton and torch op vs copy; share of a ResNet-50 step
-#   benchmarks/run_gpu.sh step       # ResNet-18/50 @176, ViT-B/16 @224, SwinV2-T @256: standard vs anchored
-#   benchmarks/run_gpu.sh e2e        # nvJPEG loader + op + ResNet-50 step; naive second-loader design
-#   benchmarks/run_gpu.sh all        # data, loader, op, step, e2e
+#   benchmarks/run_gpu.sh correctness OUTDIR   # the GPU test set (tests/test_gpu.py and every test with a CUDA
+#                                              # path) on the GPU, then the suite's fast tier on this machine's
+#                                              # torch with the GPU hidden
+#   benchmarks/run_gpu.sh figures OUTDIR       # ImageNet-shaped JPEGs, then bench loader, op, step, e2e (nvJPEG
+#                                              # and FFCV, with a torch.profiler table) in the issue's setting:
+#                                              # ResNet-50, 176 px, bf16, channels-last, batch 256
 #
-# Results go to $RESULTS (default: $OUT when set, as on a lent device machine, else benchmarks/results);
-# copy them into benchmarks/results/, commit, and run `fastanchor bench readme`. Without a network,
-# missing packages install from a carried wheel directory: WHEELS=data/wheels benchmarks/run_gpu.sh check
-# (prepare it where the registry is reachable with `pip download timm matplotlib -d data/wheels`;
-# data/ is git-ignored, so it can travel with the working tree).
-set -euo pipefail
+# Options: --device cpu rehearses either part on the CPU at tiny sizes (the GPU test set with
+# FASTANCHOR_TEST_DEVICE=cpu); --pack leaves only OUTDIR/<part>.log and OUTDIR/<part>.tar.gz (a lent
+# machine returns at most 8 files). Every stage runs under its own time limit (LIMIT_<STAGE> seconds), so
+# a stuck stage costs its limit, not the run; OUTDIR/<part>/stages.txt records each stage's exit status.
+#
+# Where fastanchor is not installed (a bare GPU machine, no network), it is installed into the machine's
+# Python (PYTHON, default .venv/bin/python or python3) with FFCV and the test dependencies from WHEELS
+# (default data/wheels, which benchmarks/gpu_wheels.sh builds; data/ is git-ignored, so carry it): a lent
+# machine is thrown away afterwards, and its torch, triton and timm are the ones measured.
+# The result files go into benchmarks/results/ (commit them), then `fastanchor bench readme`.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-DATA=${DATA:-/tmp/fastanchor-bench/imagenet_shaped}
-RESULTS=${RESULTS:-${OUT:-benchmarks/results}}
-REPS=${REPS:-5}
 
-# The repository root is the `fastanchor` package: make it importable without installing.
-if ! "$PYTHON" -c "import fastanchor.benchmarks" 2>/dev/null; then
-    link_dir=$(mktemp -d)
-    ln -s "$PWD" "$link_dir/fastanchor"
-    export PYTHONPATH="$link_dir${PYTHONPATH:+:$PYTHONPATH}"
+part=${1:-} out=${2:-} device=cuda pack=0
+shift $(($# < 2 ? $# : 2))
+for arg in "$@"; do
+    case $arg in
+        --device=*) device=${arg#--device=} ;;
+        --device) device=next ;;
+        --pack) pack=1 ;;
+        *) [[ $device == next ]] && device=$arg || { echo "run_gpu.sh: unknown option $arg" >&2; exit 2; } ;;
+    esac
+done
+if [[ $part != correctness && $part != figures || -z $out || ($device != cuda && $device != cpu) ]]; then
+    echo "usage: benchmarks/run_gpu.sh correctness|figures OUTDIR [--device cuda|cpu] [--pack]" >&2
+    exit 2
 fi
-bench() { echo "== fastanchor bench $*"; "$PYTHON" -m fastanchor.benchmarks "$@"; }
-common=(--device cuda --repetitions "$REPS" --out "$RESULTS")
+mkdir -p "$out/$part" && out=$(cd "$out" && pwd) || exit 2
+raw=$out/$part
+exec > >(tee "$out/$part.log") 2>&1
+WHEELS=${WHEELS:-data/wheels}
+REPS=${REPS:-5}
+PYTHON=$(command -v "${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}")
 
-stage=${1:-all}
-if [[ $stage == check ]]; then
-    if [[ -n ${WHEELS:-} ]]; then
-        "$PYTHON" -m pip install --no-index --find-links "$WHEELS" timm matplotlib || true
-    fi
+finish() {
+    echo "== $(date -u +%FT%TZ) done; stages:"; cat "$raw/stages.txt"
+    tar -czf "$out/$part.tar.gz" -C "$out" "$part" && [[ $pack == 1 ]] && rm -rf "$raw"
+}
+trap finish EXIT
+
+# stage NAME SECONDS COMMAND...: run under a time limit, record the exit status, go on either way
+stage() {
+    local name=$1 limit=$2 started=$SECONDS
+    shift 2
+    echo "== $(date -u +%FT%TZ) $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@"
+    local status=$?
+    printf '%-12s exit %3d  %4ds\n' "$name" "$status" $((SECONDS - started)) >>"$raw/stages.txt"
+}
+
+# --- the Python that runs everything: fastanchor importable and its console script installed ---------
+if ! "$PYTHON" -c "import fastanchor.benchmarks" 2>/dev/null || [[ ! -x $(dirname "$PYTHON")/fastanchor ]]; then
+    echo "== installing fastanchor, FFCV and the test dependencies into $PYTHON from $WHEELS"
+    "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps \
+        ffcv assertpy fastargs terminaltables relplot imagecorruptions-imaug deprecation || echo "(some wheels missing)"
+    "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps -e . || exit 1
+fi
+export FASTANCHOR_TEST_DEVICE=$device
+{
+    date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; uname -a; nproc
+    command -v nvidia-smi >/dev/null && nvidia-smi
     "$PYTHON" - <<'PY'
-import importlib
-for name in ("torch", "torchvision", "timm", "yaml", "tqdm", "matplotlib", "cv2", "triton", "ffcv", "nvidia.dali"):
+import importlib, sys
+print("python", sys.version.split()[0], sys.executable)
+for name in ("torch", "torchvision", "timm", "triton", "numba", "numpy", "cv2", "ffcv", "PIL", "nvidia.dali"):
     try:
-        module = importlib.import_module(name)
-        print(f"{name:12s} {getattr(module, '__version__', 'ok')}")
+        print(f"{name:12s} {getattr(importlib.import_module(name), '__version__', 'ok')}")
     except Exception as error:  # noqa: BLE001
         print(f"{name:12s} missing ({type(error).__name__}: {error})")
 import torch
-print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())
 PY
+} >"$raw/environment.txt" 2>&1
+cat "$raw/environment.txt"
+: >"$raw/stages.txt"
+
+if [[ $part == correctness ]]; then
+    tests=(tests/test_gpu.py tests/test_anchor_triton.py tests/test_reference_bank.py tests/test_pseudo_ood.py
+           tests/test_dali_loader.py)
+    stage gpu-tests "${LIMIT_GPU_TESTS:-240}" "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -v --tb=short -ra \
+        --durations=15 --junitxml="$raw/gpu-tests.xml"
+    # the rest of the suite on this machine's torch and CPU (the GPU hidden); the rehearsal runs one file of it
+    suite=$([[ $device == cuda ]] && echo tests || echo tests/test_config.py)
+    CUDA_VISIBLE_DEVICES="" stage suite "${LIMIT_SUITE:-250}" "$PYTHON" -m pytest "$suite" -m "not slow" \
+        -p no:cacheprovider -v --tb=short -ra --durations=15 --junitxml="$raw/suite-tests.xml"
     exit 0
 fi
-if [[ $stage == all || $stage == data ]]; then
-    bench data --root "$DATA" --num-classes 1000 --images-per-class 10 --workers "$(nproc)"
+
+bench=("$PYTHON" -m fastanchor.benchmarks)
+data=/tmp/fastanchor-bench-$device/imagenet_shaped
+if [[ $device == cuda ]]; then  # the issue's setting
+    data_size=(--num-classes 1000 --images-per-class 5) images=(--images 4096) batch=256 size=176
+    step_models=resnet18@176,resnet50@176,vit_base_patch16_224@224,swinv2_tiny_window8_256@256 model=resnet50
+    op_extra=() step_extra=(--steps 10) profile=10  # 10 steps a repetition: 4 models x 3 cases x 6 rounds fit 2 minutes
+else  # the rehearsal: every stage, tiny
+    data_size=(--num-classes 16 --images-per-class 4) images=(--images 48) batch=8 size=32 REPS=2
+    step_models=fastanchor_resnet_tiny@32,resnet18@32 model=fastanchor_resnet_tiny
+    op_extra=(--iterations 2 --steps 2) step_extra=(--steps 2) profile=2
 fi
-if [[ $stage == all || $stage == loader ]]; then
-    bench loader "${common[@]}" --data "$DATA/train" --images 4096 --loaders nvjpeg,torchvision,ffcv,dali \
-        --batch-size 256 --image-size 176 --repetitions 3
-fi
-if [[ $stage == all || $stage == op ]]; then
-    bench op "${common[@]}" --batch-size 256 --image-size 176 --dtype bfloat16 --step-model resnet50
-fi
-if [[ $stage == all || $stage == step ]]; then
-    bench step "${common[@]}" --batch-size 256 \
-        --models resnet18@176,resnet50@176,vit_base_patch16_224@224,swinv2_tiny_window8_256@256
-fi
-if [[ $stage == all || $stage == e2e ]]; then
-    bench e2e "${common[@]}" --data "$DATA/train" --images 8192 --loader nvjpeg --model resnet50@176 --batch-size 256
-fi
+common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress)
+stage data "${LIMIT_DATA:-80}" "${bench[@]}" data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress
+stage loader "${LIMIT_LOADER:-130}" "${bench[@]}" loader "${common[@]}" --data "$data/train" "${images[@]}" \
+    --loaders nvjpeg,torchvision,ffcv --batch-size "$batch" --image-size "$size" --repetitions 3
+stage op "${LIMIT_OP:-50}" "${bench[@]}" op "${common[@]}" --batch-size "$batch" --image-size "$size" --dtype bfloat16 \
+    --step-model "$model" "${op_extra[@]}"
+stage step "${LIMIT_STEP:-120}" "${bench[@]}" step "${common[@]}" --batch-size "$batch" --models "$step_models" "${step_extra[@]}"
+for loader in nvjpeg ffcv; do
+    stage "e2e-$loader" "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --data "$data/train" "${images[@]}" --loader "$loader" \
+        --model "$model@$size" --batch-size "$batch" --profile-batches "$profile" --tag "$loader"
+done

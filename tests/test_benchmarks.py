@@ -210,7 +210,7 @@ def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path
 def test_end_to_end_benchmark(tiny_dataset, results):
     result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
                    "--workers", 0, "--model", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--warmup-batches", 1,
-                   "--out", results, "--tag", "tiny")
+                   "--out", results, "--tag", "tiny", "--profile-batches", 2)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
     for kind in ("standard", "anchored", "naive"):
@@ -218,6 +218,8 @@ def test_end_to_end_benchmark(tiny_dataset, results):
         check_recorded(found[f"{label} {kind}"])
     assert set(derived(result)) == {f"{label}: anchored/standard", f"{label}: naive/standard", f"{label}: anchored/naive"}
     assert (results / "e2e-cpu-tiny.json").exists()
+    profile = (results / "e2e-cpu-tiny-profile.txt").read_text()  # where an anchored batch's time goes
+    assert all(f"e2e: {part}" in profile for part in ("loader (wait for the next batch)", "anchoring stage", "training step"))
 
 
 def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path):
