@@ -84,6 +84,16 @@ def opencv_jpeg() -> str:
     return line.split(":", 1)[1].strip()
 
 
+def cuda_driver() -> str | None:
+    """The NVIDIA driver's version, as nvidia-smi reports it (None where it cannot be asked)."""
+    try:
+        answer = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return answer.stdout.splitlines()[0].strip() if answer.returncode == 0 and answer.stdout.strip() else None
+
+
 def environment(device: torch.device) -> dict:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
@@ -96,6 +106,7 @@ def environment(device: torch.device) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "driver": cuda_driver() if device.type == "cuda" else None,
         "libraries": _versions(),
         "jpeg": _jpeg_libraries(),
     }
@@ -219,7 +230,8 @@ def tables(result: dict) -> list[str]:
 def describe_run(result: dict) -> list[str]:
     env = result["environment"]
     return [
-        f"- device: {env['device_name']} ({env['device']}), {env['cpu_count']} CPUs ({env.get('usable_cpus')} usable)",
+        f"- device: {env['device_name']} ({env['device']}), {env['cpu_count']} CPUs ({env.get('usable_cpus')} usable)"
+        + (f"; CUDA {env['cuda']}, driver {env.get('driver') or 'unknown'}" if env["device"] == "cuda" else ""),
         f"- command: `{result['command']}`",
         f"- created: {result['created']}, commit {result.get('git_commit') or 'unknown'}",
         f"- {result['repetitions']} repetitions per case, interleaved, after {result['warmup_rounds']} warm-up round(s); "

@@ -19,7 +19,7 @@ from fastanchor.benchmarks import readme as bench_readme
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.benchmarks.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
-from fastanchor.benchmarks.results import validate_result
+from fastanchor.benchmarks.results import describe_run, environment, validate_result
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline import imagenet_shaped
 from fastanchor.pipeline.imagefolder import scan_image_folder
@@ -323,3 +323,11 @@ def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):
         assert outcome.returncode == 2 and expected in outcome.stderr, outcome.stderr
         assert len(outcome.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_gpu_result_names_its_cuda_and_driver():
+    assert environment(torch.device("cpu"))["driver"] is None
+    env = {**environment(torch.device("cpu")), "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda": "13.0",
+           "driver": "580.159.04"}
+    result = {"environment": env, "command": "fastanchor bench op", "created": "now", "repetitions": 5, "warmup_rounds": 1}
+    assert describe_run(result)[0].endswith("; CUDA 13.0, driver 580.159.04")
