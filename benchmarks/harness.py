@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from fastanchor.errors import ConfigError
+from fastanchor.files import atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,6 @@ def time_epoch(batches: Iterable, warmup_batches: int, consume: Callable[[object
 def write_profile(run: Callable[[], None], device: torch.device, path: Path, rows: int = 40) -> Path:
     """torch.profiler over `run()` (CPU operators, and the CUDA kernels on a GPU): the operators and the
     `record_function` ranges `run` marks, busiest first by self time on the device, written to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from fastanchor.files import atomic_write_bytes
-
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiler:
         run()
