@@ -64,6 +64,7 @@ class DataConfig:
     eval_batch_size: int = option(256, "evaluation batch size")
     workers: int = option(2, "data-loading worker processes (0: the main process); FFCV and DALI: decoding threads (0: 1)")
     drop_last: bool = option(True, "drop the last incomplete training batch")
+    label_noise: float = option(0.0, "fraction of training labels flipped to another class, seeded by train.seed (0: none)")
 
 
 @dataclass
@@ -421,6 +422,7 @@ def validate(config: Config) -> None:
            f"data.batch_size = {d.batch_size}: in-batch (derangement) references need a batch of at least 2")
     _check(d.eval_batch_size >= 1, f"data.eval_batch_size = {d.eval_batch_size}: expected >= 1")
     _check(d.workers >= 0, f"data.workers = {d.workers}: expected >= 0")
+    _check(0.0 <= d.label_noise < 1.0, f"data.label_noise = {d.label_noise}: expected a fraction in [0, 1)")
     _check(d.ffcv_max_resolution >= 0, f"data.ffcv_max_resolution = {d.ffcv_max_resolution}: expected >= 0")
     _check(1 <= d.ffcv_jpeg_quality <= 100, f"data.ffcv_jpeg_quality = {d.ffcv_jpeg_quality}: expected 1 to 100")
     _check(0.0 <= d.ffcv_compress_probability <= 1.0, f"data.ffcv_compress_probability = {d.ffcv_compress_probability}: expected [0, 1]")
