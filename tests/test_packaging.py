@@ -20,7 +20,7 @@ from fastanchor.trainer.config import recipe_names
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("", "kernels", "pipeline", "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
             "cli")  # folders whose *.py are the modules
-DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt")
+DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt", "pipeline/c_bar_levels.json")
 
 
 def shipped_files() -> set[str]:

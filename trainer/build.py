@@ -220,18 +220,21 @@ def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, 
     e, d = config.eval, config.data
     transform = eval_transform(d.image_size, d.crop_ratio)
     on_the_fly = f"on the fly from {val_index.root}"
-    sets = [EvalSet(f"{name}@{severity}", "corruption", benchmark, on_the_fly,
+    # CIFAR-C / -C-bar arrays, when given, stand in for the on-the-fly corruptions of the same name and strength
+    cifar_files = cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform) if e.cifar_c_root else []
+    cifar_bar_files = cifar_c_sets(Path(e.cifar_c_bar_root), e.severities, classes, transform, "eval.cifar_c_bar_root",
+                                   "cifar-c-bar") if e.cifar_c_bar_root else []
+    from_files = {"cifar-10-c": {s.corruption for s in cifar_files}, "cifar-10-c-bar": {s.corruption for s in cifar_bar_files}}
+    sets = [EvalSet(f"{name}@{severity}", "corruption", parameters, on_the_fly,
                     DecodedImages(val_index, transform, Corruption(name, severity, e.seed, parameters)), name, severity)
-            for names, benchmark, parameters in ((e.corruptions, e.corruption_parameters, e.corruption_parameters),
-                                                 (e.corruptions_bar, "imagenet-c-bar", "imagenet-c"))
-            for name in names for severity in e.severities]
+            for names, parameters in ((e.corruptions, e.corruption_parameters), (e.corruptions_bar, e.corruption_bar_parameters))
+            for name in names if name not in from_files.get(parameters, ()) for severity in e.severities]
     if e.c_root:
         sets += corruption_tree_sets(Path(e.c_root), "eval.c_root", "imagenet-c-files", e.severities, classes, transform)
     if e.c_bar_root:
         sets += corruption_tree_sets(Path(e.c_bar_root), "eval.c_bar_root", "imagenet-c-bar-files", e.severities, classes,
                                      transform, IMAGENET_C_BAR_LEVELS)
-    if e.cifar_c_root:
-        sets += cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform)
+    sets += cifar_files + cifar_bar_files
     if e.imagenet_r:
         mask = imagenet_r_class_subset(classes)
         sets.append(folder_set("imagenet-r", Path(e.imagenet_r), "eval.imagenet_r", "dataset", "imagenet-r", transform,

@@ -160,7 +160,8 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     corruptions: list = option(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
-    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split")
+    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "C-bar corruptions applied on the fly to the validation split")
+    corruption_bar_parameters: str = option("imagenet-c-bar", "set and levels of eval.corruptions_bar: ImageNet-C-bar's (224 px) or CIFAR-10-C-bar's (32 px)", choices=("imagenet-c-bar", "cifar-10-c-bar"))
     corruption_parameters: str = option("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
     severities: list = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = option(5, "K references per test sample for the mean prediction and the std score (anchored models)")
@@ -172,6 +173,7 @@ class EvalConfig:
     c_root: str = option("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
     c_bar_root: str = option("", "pre-generated ImageNet-C-bar tree, severity folders 1-5 or the published levels ('' to skip)")
     cifar_c_root: str = option("", "CIFAR-10/100-C folder of <corruption>.npy (5 severities x N) and labels.npy ('' to skip)")
+    cifar_c_bar_root: str = option("", "CIFAR-10/100-C-bar folder, laid out as eval.cifar_c_root ('' to skip)")
     imagenet_r: str = option("", "ImageNet-R ImageFolder, evaluated with the 200-class logit mask ('' to skip)")
     datasets: list = option([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
     ood_sets: list = option([], "OOD ImageFolders besides data.ood_split (e.g. Textures, NINCO), as name=path")
@@ -493,10 +495,12 @@ def validate(config: Config) -> None:
     _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
     _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
     _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
-    from fastanchor.pipeline.corruptions import CORRUPTIONS, IMAGENET_C_BAR_CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.corruptions import BAR_CORRUPTIONS, CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.corruptions_bar import C_BAR_TITLES
     from fastanchor.pipeline.eval_sets import check_named_paths
 
     check_corruption_names(e.corruptions, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
-    check_corruption_names(e.corruptions_bar, IMAGENET_C_BAR_CORRUPTIONS, "ImageNet-C-bar corruption")
+    check_corruption_names(e.corruptions_bar, BAR_CORRUPTIONS[e.corruption_bar_parameters],
+                           f"{C_BAR_TITLES[e.corruption_bar_parameters]} corruption")
     check_named_paths(e.datasets, "eval.datasets")
     check_named_paths(e.ood_sets, "eval.ood_sets")
