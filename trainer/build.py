@@ -52,6 +52,7 @@ from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.label_noise import LabelNoise, flip_labels, relabelled
 from fastanchor.pipeline.mixing import BatchMixer
+from fastanchor.pipeline.pixmix import DevicePixMix
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import (
     Corruption,
@@ -308,10 +309,13 @@ def make_optimizer(model: torch.nn.Module, config: Config, world_size: int = 1) 
 
 
 def device_augmentations(g, seed: int) -> AugmentChain | None:
-    """The augment.* steps done on the device batch before pairing, in order: AugMix, random erasing."""
+    """The augment.* steps done on the device batch before pairing, in order: AugMix, PixMix, random erasing."""
     steps = {}
     if g.augmix:
         steps["augmix"] = DeviceAugMix(seed=seed + 1, severity=g.augmix_severity)
+    if g.pixmix:
+        steps["pixmix"] = DevicePixMix(seed=seed + 2, k=g.pixmix_k, beta=g.pixmix_beta, severity=g.pixmix_severity,
+                                       pictures=g.pixmix_pictures)
     if g.random_erasing > 0:
         steps["random_erasing"] = RandomErasing(g.random_erasing, seed=seed)
     return AugmentChain(steps) if steps else None

@@ -73,6 +73,11 @@ class AugmentConfig:
     auto_augment: str = option("none", "per-image policy after the crop and flip (torchvision's --auto-augment); torchvision and DALI only", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
     augmix: bool = option(False, "AugMix (torchvision's v2.AugMix) per image on the device batch, for every loader")
     augmix_severity: int = option(3, "AugMix severity of its operations (1 to 10)")
+    pixmix: bool = option(False, "PixMix with generated fractals and feature-like pictures on the device batch, every loader")
+    pixmix_k: int = option(4, "PixMix: at most this many mixing rounds per image (the paper's k: 4)")
+    pixmix_beta: float = option(3.0, "PixMix: Beta parameter of the mixing weights (the paper's beta: CIFAR 3, ImageNet 4)")
+    pixmix_severity: int = option(3, "PixMix: severity of its augmentations, 1 to 10 (the paper's: CIFAR 3, ImageNet 1)")
+    pixmix_pictures: int = option(512, "PixMix: mixing pictures generated per image size (half fractals, half feature-like)")
     random_erasing: float = option(0.0, "probability of erasing one random rectangle per training image (torchvision's RandomErasing)")
     mixup_alpha: float = option(0.0, "Mixup: mixing weight drawn from Beta(alpha, alpha) per batch (0 disables)")
     cutmix_alpha: float = option(0.0, "CutMix: box area fraction drawn from Beta(alpha, alpha) per batch (0 disables)")
@@ -477,6 +482,10 @@ def validate(config: Config) -> None:
     _check(len(f.jigsaw_grids) > 0 and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 for g in f.jigsaw_grids),
            f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: expected a non-empty list of integers >= 2")
     _check(1 <= config.augment.augmix_severity <= 10, f"augment.augmix_severity = {config.augment.augmix_severity}: expected 1 to 10")
+    _check(g.pixmix_k >= 0, f"augment.pixmix_k = {g.pixmix_k}: expected >= 0 mixing rounds")
+    _check(g.pixmix_beta > 0, f"augment.pixmix_beta = {g.pixmix_beta}: expected > 0")
+    _check(1 <= g.pixmix_severity <= 10, f"augment.pixmix_severity = {g.pixmix_severity}: expected 1 to 10")
+    _check(g.pixmix_pictures >= 1, f"augment.pixmix_pictures = {g.pixmix_pictures}: expected >= 1")
     emb = config.embedded
     _check(32 <= emb.image_size <= 256, f"embedded.image_size = {emb.image_size}: expected 32 to 256 pixels")
     from fastanchor.trainer.models import check_model_name  # imported late: timm is slow to import
