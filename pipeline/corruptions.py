@@ -1,5 +1,5 @@
 """Corruptions applied on the fly, seeded: ImageNet-C's 19 (the `imagecorruptions` package, which uses
-numpy's global RNG), 9 of them at CIFAR-10-C's 32 px parameters (pipeline/corruptions_small.py), and
+numpy's global RNG), the same 19 at CIFAR-10-C's 32 px parameters (pipeline/corruptions_small.py), and
 ImageNet-C-bar's 10 and CIFAR-10-C-bar's 10 (pipeline/corruptions_bar.py)."""
 
 from __future__ import annotations
