@@ -3,7 +3,8 @@
 `flip_labels` picks exactly round(fraction x N) samples uniformly without replacement and gives each
 a class drawn uniformly from the C - 1 classes other than its own (never its own), from a generator
 seeded by (seed, a fixed tag) alone: the same labels, seed and fraction give the same flips, on every
-process and for every loader. The loaders take the flipped labels by sample (the torchvision and
+process and for every loader, and with the same seed the flips of a smaller fraction are among those
+of a larger one (a noise sweep adds flips, it does not redraw them). The loaders take the flipped labels by sample (the torchvision and
 DALI loaders through a `relabelled` index, FFCV through FFCVLoader's `labels`, since a .beton stores
 the clean labels), so the images, the .beton files and the validation split stay untouched. `LabelNoise.record` is what a run writes beside its config (label_noise.json).
 """
@@ -53,10 +54,13 @@ def flip_labels(labels, num_classes: int, fraction: float, seed: int) -> LabelNo
         raise ValueError(f"labels outside 0..{num_classes - 1}")
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), _TAG]))
     count = int(round(fraction * len(clean)))
-    flipped = np.sort(rng.choice(len(clean), size=count, replace=False)).astype(np.int64)
+    # One order of all samples and one offset per sample, whatever the fraction: with the same seed a larger
+    # fraction flips the samples of a smaller one (to the same classes) and more.
+    order = rng.permutation(len(clean))
+    offsets = rng.integers(1, max(num_classes, 2), size=len(clean))  # 1..C-1 added modulo C: another class, uniformly
+    flipped = np.sort(order[:count]).astype(np.int64)
     noisy = clean.copy()
-    # An offset in 1..C-1 added modulo C: uniform over the other classes, never the sample's own.
-    noisy[flipped] = (clean[flipped] + rng.integers(1, num_classes, size=count)) % num_classes if count else noisy[flipped]
+    noisy[flipped] = (clean[flipped] + offsets[flipped]) % num_classes
     return LabelNoise(float(fraction), int(seed), clean, noisy, flipped)
 
 

@@ -43,6 +43,13 @@ def test_flips_are_seeded():
     assert flip_labels(clean, 7, 0.0, 3).flipped.size == 0
 
 
+def test_a_larger_fraction_keeps_the_flips_of_a_smaller_one():
+    clean = np.arange(1000) % 10
+    small, large = flip_labels(clean, 10, 0.05, 8), flip_labels(clean, 10, 0.2, 8)
+    assert set(small.flipped) < set(large.flipped)
+    assert np.array_equal(small.labels[small.flipped], large.labels[small.flipped])
+
+
 def test_flipped_samples_are_uniform_and_the_new_class_uniform_over_the_others():
     """Every sample is flipped with probability 0.3 and each of the other C - 1 classes is as likely:
     over 200 seeds of 60 samples of 4 classes, each sample is flipped 60 +- 6.5 sd times, and from
