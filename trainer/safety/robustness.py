@@ -139,14 +139,14 @@ def describe_pair(run: dict) -> str:
 
 
 def testbed_candidates(run_dirs: list[Path]) -> list[Path]:
-    """Testbed fit files the auto baseline may take: shipped ones, and any under the runs' common parent."""
+    """Testbed fit files the auto baseline may take: shipped ones (trainer/safety/testbeds/), and any found in,
+    or one or two folders below, the folder holding the runs and the folder above it."""
     found = sorted(SHIPPED_TESTBEDS.glob("*.json")) if SHIPPED_TESTBEDS.is_dir() else []
-    parent = Path(os.path.commonpath([Path(r).resolve() for r in run_dirs])) if run_dirs else None
-    if parent is not None and len(run_dirs) == 1:
-        parent = parent.parent
-    if parent is not None and parent.is_dir():
-        for pattern in (TESTBED_FIT_NAME, f"*/{TESTBED_FIT_NAME}", f"*/*/{TESTBED_FIT_NAME}"):
-            found += sorted(parent.glob(pattern))
+    if run_dirs:
+        holder = Path(os.path.commonpath([Path(r).resolve().parent for r in run_dirs]))
+        for folder in (holder, holder.parent):
+            for pattern in (TESTBED_FIT_NAME, f"*/{TESTBED_FIT_NAME}", f"*/*/{TESTBED_FIT_NAME}"):
+                found += [p for p in sorted(folder.glob(pattern)) if p not in found]
     return found
 
 
