@@ -163,3 +163,43 @@ def test_top1_with_a_logit_mask_hand_worked():
     labels = torch.tensor([2, 1, 2])
     assert top1(logits, labels) == pytest.approx(100 / 3)  # argmax 0, 3, 2: only the last is right
     assert top1(logits, labels, [1, 2]) == 100.0  # among classes 1 and 2: 2, 1, 2
+
+
+def test_binned_er_hand_worked():
+    from fastanchor.trainer.safety.er_summary import binned_runs, max_er
+
+    # 4 bins over ID accuracy [0, 4]; run a: bins 0 -> 1, 1 -> mean(2, 4) = 3, 3 -> 0; run b: 0 -> 3, 2 -> 5, 3 -> 2
+    runs = [(np.array([0.5, 1.5, 1.7, 3.5]), np.array([1.0, 2.0, 4.0, 0.0])),
+            (np.array([0.2, 2.5, 3.9]), np.array([3.0, 5.0, 2.0]))]
+    binned = binned_runs(runs, bins=4, id_range=(0.0, 4.0))
+    np.testing.assert_allclose(binned["per_run"], [[1, 3, np.nan, 0], [3, np.nan, 5, 2]])
+    np.testing.assert_allclose(binned["mean"], [2, 3, 5, 1])
+    np.testing.assert_allclose(binned["std"], [1, 0, 0, 1])
+    assert binned["runs_in_bin"].tolist() == [2, 1, 1, 2]
+    np.testing.assert_allclose(binned["centres"], [0.5, 1.5, 2.5, 3.5])
+    assert max_er(binned) == (5.0, 2.5, 1.0)
+
+
+def test_group_summary_of_robustness_files(tmp_path):
+    import json
+
+    from fastanchor.trainer.safety.er_summary import summarise_groups
+
+    baseline = {"name": "testbed", "transform": "logit", "a": 1.0, "b": 0.0, "r2": 0.9, "source": "s"}
+    points = {"pre0": [(50, 4.0), (70, 6.0), (90, 1.0)], "pre1": [(52, 2.0), (88, 3.0)], "rand0": [(40, 0.5), (85, -0.5)]}
+    for run, values in points.items():
+        (tmp_path / run).mkdir()
+        epochs = [{"id_top1": x, "effective_robustness": er, "fraction_of_training": (i + 1) / len(values)}
+                  for i, (x, er) in enumerate(values)]
+        (tmp_path / run / "robustness_over_training.json").write_text(json.dumps(
+            {"run_dir": str(tmp_path / run), "baseline": baseline, "epochs": epochs}))
+    summary = summarise_groups({"pretrained": [tmp_path / "pre0", tmp_path / "pre1"], "random init": [tmp_path / "rand0"]},
+                               tmp_path, bins=5)  # bins of 10 points over [40, 90]
+    pre = summary["groups"]["pretrained"]
+    # bin [50, 60): mean(4, 2) = 3; [70, 80): 6 (pre0 only); [80, 90]: mean(1, 3) = 2
+    assert pre["binned"]["mean"] == [None, 3.0, None, 6.0, 2.0]
+    assert (pre["max_er"], pre["max_er_at_id_top1"], pre["max_std"]) == (6.0, 75.0, 1.0)
+    assert pre["final_er_mean"] == 2.0 and pre["final_id_top1_mean"] == 89.0
+    assert summary["groups"]["random init"]["max_er"] == 0.5
+    assert "| pretrained | 2 | +6.00 | 75.0 | 1.00 | +2.00 +- 1.00 | 89.00 |" in (tmp_path / "er_summary.md").read_text()
+    assert (tmp_path / "er_summary.png").read_bytes().startswith(b"\x89PNG")

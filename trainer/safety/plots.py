@@ -127,6 +127,36 @@ def testbed_chart(models: list[dict], fits: dict, title: str = "") -> bytes:
     return png_bytes(fig)
 
 
+def binned_er_chart(summary: dict) -> bytes:
+    """er_summary.py's groups: binned ER against ID accuracy with a +- 1 std band, and every run's ER against
+    the fraction of training done."""
+    fig = Figure(figsize=(10.5, 4.2))
+    binned_axis, time_axis = fig.subplots(1, 2)
+    palette = ("#c0504d", "#1f4e79", "#e46c0a", "#4f81bd", "#9bbb59")
+    for (label, group), colour in zip(summary["groups"].items(), palette * 4):
+        b = group["binned"]
+        x = np.array(b["centres"])
+        mean = np.array([np.nan if v is None else v for v in b["mean"]])
+        std = np.array([np.nan if v is None else v for v in b["std"]])
+        kept = ~np.isnan(mean)
+        binned_axis.plot(x[kept], mean[kept], color=colour, marker=".", label=f"{label} ({len(group['runs'])} runs)")
+        binned_axis.fill_between(x[kept], (mean - std)[kept], (mean + std)[kept], color=colour, alpha=0.2, linewidth=0)
+        for i, run in enumerate(group["over_training"]):
+            if all(e["fraction_of_training"] is not None for e in run):
+                time_axis.plot([e["fraction_of_training"] for e in run], [e["effective_robustness"] for e in run],
+                               color=colour, alpha=0.7, label=label if i == 0 else None)
+    for axis in (binned_axis, time_axis):
+        axis.axhline(0.0, color="0.45", linestyle="--", linewidth=1)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    binned_axis.set(xlabel="ID top-1 (%)", ylabel="effective robustness (pp)",
+                    title=f"binned ER ({summary['bins']} bins; mean +- std over runs)")
+    time_axis.set(xlabel="fraction of training", ylabel="effective robustness (pp)", title="ER over training, every run")
+    b = summary["baseline"]
+    fig.suptitle(f"baseline: {b['name']} ({b['transform']})", fontsize=10)
+    return png_bytes(fig)
+
+
 def severity_chart(curves: dict[str, dict[int, float]], colours: list[str] | None = None,
                    markers: list[str] | None = None, title: str = "accuracy vs severity") -> bytes:
     """Mean top-1 against corruption severity (0 = clean), one line per curve."""
