@@ -95,3 +95,32 @@ def test_robustness_against_the_testbed_with_per_example_analyses(testbed, tiny_
     other = run_main("robustness", "--run", root / "runs" / "fine", "--baseline", f"testbed:{fit_file}",
                      "--corruption", "contrast")
     assert other.returncode == 2 and "was measured on" in other.stderr and len(other.stderr.splitlines()) == 1
+
+
+def test_auto_takes_the_published_cifar_line_for_a_cifar_10_1_folder(tmp_path):
+    import shutil
+
+    from conftest import TINY_SPEC
+    from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
+
+    # an ImageFolder with CIFAR-10's class names (embedded images renamed into them) and an OOD folder named CIFAR-10.1
+    cifar = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    generated = tmp_path / "generated"
+    generate_embedded_dataset(generated, EmbeddedSpec(**{**TINY_SPEC, "num_classes": 10, "train_per_class": 4,
+                                                         "val_per_class": 2}), progress=False)
+    root = tmp_path / "cifar"
+    for split in ("train", "val"):
+        for name, folder in zip(cifar, sorted((generated / split).iterdir())):
+            shutil.copytree(folder, root / split / name)
+    shutil.copytree(root / "val", tmp_path / "CIFAR-10.1")
+    trained = run_main("train", *tiny_overrides(root, tmp_path / "runs", **{
+        "anchor.enabled": "false", "train.run_name": "cifarish", "data.dataset": "folder", "data.ood_split": ""}))
+    assert trained.returncode == 0, trained.stderr
+    swept = run_main("robustness", "--run", tmp_path / "runs" / "cifarish", "--ood-root", tmp_path / "CIFAR-10.1")
+    assert swept.returncode == 0, swept.stderr
+    data = json.loads((tmp_path / "runs" / "cifarish" / "robustness_over_training.json").read_text())
+    assert data["baseline"]["name"] == "cifar10-to-cifar10.1" and (data["baseline"]["a"], data["baseline"]["b"]) == (0.8318, -0.4736)
+    assert "Table 3" in data["baseline"]["source"]
+    # the same run against its own val folder (not named like CIFAR-10.1): no published line applies
+    other = run_main("robustness", "--run", tmp_path / "runs" / "cifarish", "--ood-root", root / "val")
+    assert other.returncode == 2 and "no published or testbed line" in other.stderr
