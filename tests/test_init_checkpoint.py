@@ -4,7 +4,6 @@ classifier when the classes differ; a standard first layer widened to [W, W] for
 mid-epoch checkpoints, with real models and real tiny runs through the CLI."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -94,7 +94,7 @@ def _strip_wrappers(name: str) -> str:
 
 
 def load_initial_weights(model: nn.Module, path: str | Path, classes) -> dict:
-    """Load `path` into `model` (built for `classes`); return what was done (recorded nowhere else)."""
+    """Load `path` into `model` (built for `classes`); return what was done to the classifier and first layer."""
     path = Path(path)
     source, source_classes, _ = _read_weights(path)
     source = {_strip_wrappers(k): v for k, v in source.items()}
@@ -103,7 +103,7 @@ def load_initial_weights(model: nn.Module, path: str | Path, classes) -> dict:
     head_shapes_differ = any(k in source and source[k].shape != target[k].shape for k in head)
     new_head = head_shapes_differ or (source_classes is not None and list(source_classes) != list(classes))
     done = {"init_checkpoint": str(path), "classifier": "re-initialised" if new_head else "loaded", "first_layer": "loaded"}
-    for layer_path, conv in find_first_layers(model):
+    for layer_path, _ in find_first_layers(model):
         key = f"{layer_path}.weight"
         if key not in source or source[key].shape == target[key].shape:
             continue
