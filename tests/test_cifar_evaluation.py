@@ -66,3 +66,24 @@ def test_a_cifar_c_bar_folder_without_labels_is_refused(tiny_dataset, tmp_path):
     config = load_config("demo", [f"eval.cifar_c_bar_root={tmp_path / 'empty'}"])
     with pytest.raises(DataError, match="eval.cifar_c_bar_root .* has no labels.npy"):
         shift_sets(config, index, index.classes)
+
+
+def test_evaluate_reports_cifar_strength_sets_per_benchmark(tiny_dataset, tmp_path):
+    """`fastanchor evaluate` of a tiny run at CIFAR strengths: every requested on-the-fly set is in eval.json under
+    its benchmark (cifar-10-c, cifar-10-c-bar) with its severity."""
+    import json
+
+    from conftest import run_main, tiny_overrides
+
+    result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "small", "anchor.enabled": "false"}))
+    assert result.returncode == 0, result.stderr
+    settings = {"eval.corruption_parameters": "cifar-10-c", "eval.corruptions": "[fog, spatter]",
+                "eval.corruption_bar_parameters": "cifar-10-c-bar", "eval.corruptions_bar": "[ripple]", "eval.severities": "[1, 5]"}
+    result = run_main("evaluate", "--checkpoint", tmp_path / "small" / "final.pt",
+                      *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")])
+    assert result.returncode == 0, result.stderr
+    shifts = json.loads((tmp_path / "small" / "eval.json").read_text())["shifts"]
+    assert set(shifts) == {"fog@1", "fog@5", "spatter@1", "spatter@5", "ripple@1", "ripple@5"}
+    assert {(v["benchmark"], v["severity"]) for k, v in shifts.items() if k.startswith("ripple")} == {("cifar-10-c-bar", 1), ("cifar-10-c-bar", 5)}
+    assert all(shifts[k]["benchmark"] == "cifar-10-c" for k in ("fog@1", "spatter@5"))
+    assert all(0 <= v["top1"] <= 100 and v["images"] == 24 for v in shifts.values())
