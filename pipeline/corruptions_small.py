@@ -160,8 +160,9 @@ def _frost(x, c):
     index = np.random.randint(5)  # the published code draws one of its first five pictures
     name = ["frost1.png", "frost2.png", "frost3.png", "frost4.jpg", "frost5.jpg"][index]
     frost = cv2.imread(str(importlib.resources.files("imagecorruptions") / "frost" / name))
-    frost = cv2.resize(frost, (0, 0), fx=0.2, fy=0.2)
     height, width = x.shape[:2]
+    scale = max(0.2, (max(height, width) + 1) / min(frost.shape[:2]))  # the published 0.2, unless the image is larger
+    frost = cv2.resize(frost, (0, 0), fx=scale, fy=scale)
     top, left = np.random.randint(0, frost.shape[0] - height), np.random.randint(0, frost.shape[1] - width)
     frost = frost[top:top + height, left:left + width][..., [2, 1, 0]] / 255.0
     return c[0] * x + c[1] * frost
