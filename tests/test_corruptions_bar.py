@@ -122,6 +122,7 @@ def test_cifar_c_bar_runs_on_32px_images_seeded_and_grows_with_severity(name):
         assert all(later >= earlier for earlier, later in zip(distortions, distortions[1:])), distortions
         assert distortions[-1] > distortions[0]
         assert np.array_equal(corrupt_bar(image, name, 3, seed, "cifar-10-c-bar"), outputs[2])  # same seed, same bytes
+    assert corrupt_bar(make_image(48)[:, :40], name, 2, 0, "cifar-10-c-bar").shape == (48, 40, 3)  # not only squares
     if name not in ("circular_motion_blur",):  # a blur with no random parameter
         assert not np.array_equal(corrupt_bar(image, name, 5, 3, "cifar-10-c-bar"), corrupt_bar(image, name, 5, 11, "cifar-10-c-bar"))
 
