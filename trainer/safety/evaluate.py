@@ -237,12 +237,16 @@ def protocol_name(num_references: int) -> str:
     return "one_reference" if num_references == 1 else f"k{num_references}"
 
 
-def reference_set_record(state: dict) -> dict:
-    """What identifies the inference reference set a command used: its size, the SHA-256 of its uint8 pixels
-    (NCHW, contiguous) and where training drew it from (the checkpoint's reference_origin, when saved)."""
-    images = state["reference_images"]
+def reference_set_record(images: torch.Tensor, origin: dict | None) -> dict:
+    """What identifies the reference images a command anchored with: their number, the SHA-256 of their uint8
+    pixels (NCHW, contiguous) and where training drew them from (a checkpoint's reference_origin, when saved)."""
     digest = hashlib.sha256(images.cpu().contiguous().numpy().tobytes()).hexdigest()
-    return {"images": int(images.shape[0]), "sha256": digest, "origin": state.get("reference_origin")}
+    return {"images": int(images.shape[0]), "sha256": digest, "origin": origin}
+
+
+def checkpoint_references(state: dict) -> dict:
+    """`reference_set_record` of a checkpoint's inference reference set."""
+    return reference_set_record(state["reference_images"], state.get("reference_origin"))
 
 
 class Evaluator:
@@ -379,7 +383,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
                           "(anchor.inference_references): set eval.blt=false")
     result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
-              "references": reference_set_record(state)}
+              "references": checkpoint_references(state)}
     recalibrated = recalibrate_batchnorm(model, config, classes, device)
     if recalibrated:
         result["batchnorm"] = recalibrated

@@ -36,7 +36,7 @@ from fastanchor.trainer.safety.effective_robustness import (
     read_testbed,
     shipped_baselines,
 )
-from fastanchor.trainer.safety.evaluate import collect, load_for_inference
+from fastanchor.trainer.safety.evaluate import checkpoint_references, collect, load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
@@ -171,7 +171,7 @@ def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.dev
     record["id_clipped"] = float(clip_accuracy(record["id_top1"] / 100.0, len(id_index)))
     record["ood_clipped"] = float(clip_accuracy(record["ood_top1"] / 100.0, ood_set["images"]))
     about = {"anchored": anchored, "model": config.model.name, "id_set": {"root": str(id_index.root), "images": len(id_index)},
-             "ood_set": ood_set}
+             "ood_set": ood_set, "references": checkpoint_references(state)}
     return record, about
 
 
