@@ -458,19 +458,21 @@ def protocol_summary(ev: Evaluator, id_outputs: dict[str, Outputs], shift_result
     for name, clean in id_outputs.items():
         ran = [s for s, r in shift_results.items() if name in r["by_protocol"]]
         corruption = {s: shift_results[s]["by_protocol"][name]["top1"] for s in ran if shift_results[s]["kind"] == "corruption"}
-        # (ms per 1000, images) of every set it ran on; pooled: their image-weighted mean
-        timed = [(clean.ms_per_1000, clean.labels.numel())]
-        timed += [(shift_results[s]["by_protocol"][name]["ms_per_1000"], shift_results[s]["images"]) for s in ran]
-        timed += [(o.ms_per_1000, o.labels.numel()) for per_set in ood_outputs.values() for n, o in per_set.items() if n == name]
-        pooled = sum(ms * n for ms, n in timed) / max(sum(n for _, n in timed), 1)
+        # {set: (ms per 1000, images)} of every set it ran on; pooled: their image-weighted mean
+        timed = {"validation": (clean.ms_per_1000, clean.labels.numel())}
+        timed.update({s: (shift_results[s]["by_protocol"][name]["ms_per_1000"], shift_results[s]["images"]) for s in ran})
+        timed.update({s: (per_set[name].ms_per_1000, per_set[name].labels.numel())
+                      for s, per_set in ood_outputs.items() if name in per_set})
+        pooled = sum(ms * n for ms, n in timed.values()) / max(sum(n for _, n in timed.values()), 1)
         summary[name] = {
             "description": ev.describe(name),
             "references": None if name == "blt" or not ev.anchored else (1 if name == "one_reference" else int(name[1:])),
-            "sets": ["validation", *ran, *(s for s, per_set in ood_outputs.items() if name in per_set)],
+            "sets": list(timed),
             "id_top1": accuracy(clean)["top1"],
             "corruption_mean_top1": float(np.mean(list(corruption.values()))) if corruption else None,
             "severity_mean_top1": severity_means({s: {**shift_results[s], "top1": v} for s, v in corruption.items()}),
-            "ms_per_1000": {"id": clean.ms_per_1000, "pooled": pooled},
+            "ms_per_1000": {"id": clean.ms_per_1000, "pooled": pooled, "images": sum(n for _, n in timed.values()),
+                            "per_set": {s: ms for s, (ms, _) in timed.items()}},
         }
     return summary
 
