@@ -168,8 +168,8 @@ def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: d
                 parts[name][key].append(value.float().cpu())
             if tap is not None and tap.clip_at is not None:
                 parts[name]["react"].append(tap.take_clipped_logits().cpu())
-        seconds, seen = map(sum, zip(*(t for per in timings.values() for t in per)))
-        bar.set_postfix(img_s=f"{sum(n for _, n in next(iter(timings.values()))) / max(seconds, 1e-9):.0f}")
+        seconds = sum(t for per in timings.values() for t, _ in per)  # every protocol's time: images/s of all of them
+        bar.set_postfix(img_s=f"{sum(seen.numel() for seen in labels_seen) / max(seconds, 1e-9):.0f}")
     if not labels_seen:
         raise ValueError(f"{desc}: the loader yielded no images")
     labels = torch.cat(labels_seen)
