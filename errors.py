@@ -19,3 +19,7 @@ class CheckpointError(FastAnchorError, ValueError):
 
 class TrainingError(FastAnchorError, RuntimeError):
     """Training cannot continue (e.g. a non-finite loss)."""
+
+
+class ModelError(ConfigError):
+    """A model name, option or model structure that fastanchor cannot use (a ConfigError: a ValueError)."""
