@@ -46,9 +46,9 @@ from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
-from fastanchor.trainer.build import ensure_dataset, split_index
+from fastanchor.trainer.build import ensure_dataset, load_for_inference, split_index
 from fastanchor.trainer.config import Config, load_config, set_value, validate
-from fastanchor.trainer.safety.evaluate import CONVENTIONS, load_for_inference, recalibrate_batchnorm
+from fastanchor.trainer.safety.evaluate import CONVENTIONS, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct
 from fastanchor.trainer.run_folder import RunFolder

@@ -110,7 +110,8 @@ def test_evaluate_recalibrate_bn_reestimates_on_unmasked_training_batches_and_le
     import hashlib
     import json
 
-    from fastanchor.trainer.safety.evaluate import load_for_inference, recalibration_batches
+    from fastanchor.trainer.build import load_for_inference
+    from fastanchor.trainer.safety.evaluate import recalibration_batches
 
     result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
         "anchor.alpha": 1.0, "anchor.mask_level": "batch", "anchor.masked_batchnorm": "update", "train.run_name": "masked"}))

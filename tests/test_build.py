@@ -7,8 +7,7 @@ import json
 import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer import build as build_module
-from fastanchor.trainer.build import eval_loader, split_index
-from fastanchor.trainer.safety.evaluate import load_for_inference
+from fastanchor.trainer.build import eval_loader, load_for_inference, split_index
 from fastanchor.trainer.inference import predict
 
 

@@ -16,10 +16,10 @@ from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wn
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
-from fastanchor.trainer.build import shift_sets
+from fastanchor.trainer.build import load_for_inference, shift_sets
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.inference import predict
-from fastanchor.trainer.safety.evaluate import Outputs, load_for_inference
+from fastanchor.trainer.safety.evaluate import Outputs
 from fastanchor.trainer.metrics import auroc, fpr_at_tpr
 from PIL import Image
 

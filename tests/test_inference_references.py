@@ -14,12 +14,11 @@ from fastanchor.pipeline.eval_sets import subset
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
-from fastanchor.trainer.build import build_training, inference_references, resolve_device
+from fastanchor.trainer.build import build_training, inference_references, load_for_inference, resolve_device
 from fastanchor.trainer.checkpoint import load_checkpoint
 from fastanchor.trainer.config import DataConfig, config_from_dict
 from fastanchor.trainer.distributed import Processes
 from fastanchor.trainer.inference import BilinearTransduction, predict
-from fastanchor.trainer.safety.evaluate import load_for_inference
 
 EVAL = {"eval.max_images": 12, "eval.num_references": 3, "eval.blt_candidates": 4, "eval.blt_residuals": 40,
         "eval.corruptions": "[contrast]", "eval.corruptions_bar": "[]", "eval.plots": "false"}

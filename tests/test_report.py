@@ -13,8 +13,7 @@ import torch
 from browser import image_states
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.trainer.build import eval_loader
-from fastanchor.trainer.safety.evaluate import load_for_inference
+from fastanchor.trainer.build import eval_loader, load_for_inference
 from fastanchor.trainer.safety.linear_probe import (
     feature_extractor,
     features_of,

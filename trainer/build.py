@@ -1,8 +1,8 @@
 """Config -> objects: the one place where a config becomes the things training and inference use.
 
 The model: `build_model` is what `fastanchor train` trains and what every command that loads a
-checkpoint (evaluate, finetune-ood, robustness, linear-probe, through `evaluate.load_for_inference`)
-rebuilds before loading the weights, so both are the same network. A structural option left out
+checkpoint (evaluate, finetune-ood, robustness, linear-probe) rebuilds in `load_for_inference` before
+loading the weights, so both are the same network. A structural option left out
 when rebuilding does not always fail loudly: timm's BlurPool filter (``model.blurpool``) is a
 non-persistent buffer, so a model built without it loads the state dict strictly and computes
 something else.
@@ -62,7 +62,8 @@ from fastanchor.pipeline.torchvision_loader import (
     load_rgb,
     train_transform,
 )
-from fastanchor.trainer.config import Config, DataConfig
+from fastanchor.trainer.checkpoint import load_checkpoint
+from fastanchor.trainer.config import Config, DataConfig, config_from_dict, parse_override, set_value, validate
 from fastanchor.trainer.distributed import Processes, main_first
 from fastanchor.trainer.initial_weights import freeze_backbone, load_initial_weights
 from fastanchor.trainer.loss_window import LossWindow
@@ -87,6 +88,19 @@ def build_model(config: Config, num_classes: int, device: torch.device, *, pretr
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> tuple[torch.nn.Module, Config, dict]:
+    """The model of checkpoint `path` in eval mode on `device`, rebuilt by `build_model` from the checkpoint's own
+    config (with `overrides`, ``section.key=value`` texts, applied and validated), its config, and the checkpoint."""
+    state = load_checkpoint(path)
+    config = config_from_dict(state["config"])
+    for text in overrides:
+        set_value(config, *parse_override(text))
+    validate(config)
+    model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
+    model.load_state_dict(state["model"])
+    return model.eval(), config, state
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
 from fastanchor.trainer.build import (
-    build_model,
     eval_loader,
+    load_for_inference,
     loader_for,
     ood_sets,
     resolve_device,
@@ -51,8 +51,7 @@ from fastanchor.trainer.build import (
     split_index,
     train_loader,
 )
-from fastanchor.trainer.checkpoint import load_checkpoint
-from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
+from fastanchor.trainer.config import Config
 from fastanchor.trainer.safety.features import PenultimateTap, react_threshold
 from fastanchor.trainer.inference import BilinearTransduction, predict
 from fastanchor.trainer.metrics import (
@@ -82,17 +81,6 @@ CONVENTIONS = {
             "flags 95% of OOD samples; AUPR is average precision with OOD positive (AUPR-Out); AUROC is the same "
             "under both conventions"),
 }
-
-
-def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> tuple[torch.nn.Module, Config, dict]:
-    state = load_checkpoint(path)
-    config = config_from_dict(state["config"])
-    for text in overrides:
-        set_value(config, *parse_override(text))
-    validate(config)
-    model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
-    model.load_state_dict(state["model"])
-    return model.eval(), config, state
 
 
 def recalibration_batches(config: Config, classes, device: torch.device, batches: int):

@@ -52,11 +52,11 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import eval_loader, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.safety.evaluate import (CONVENTIONS, accuracy, checkpoint_references, collect, load_for_inference,
-                                                ood_scores, rejection_metrics)
+from fastanchor.trainer.safety.evaluate import (CONVENTIONS, accuracy, checkpoint_references, collect, ood_scores,
+                                                rejection_metrics)
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
 from fastanchor.trainer.safety.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
-from fastanchor.trainer.build import amp_dtype, resolve_device, seed_everything
+from fastanchor.trainer.build import amp_dtype, load_for_inference, resolve_device, seed_everything
 from fastanchor.trainer.run_folder import RunFolder
 
 CONVENTION = CONVENTIONS["id"]

@@ -43,8 +43,8 @@ from fastanchor.pipeline.corruptions import check_corruption_names
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
-from fastanchor.trainer.safety.evaluate import checkpoint_references, load_for_inference, reference_set_record
-from fastanchor.trainer.build import resolve_device
+from fastanchor.trainer.safety.evaluate import checkpoint_references, reference_set_record
+from fastanchor.trainer.build import load_for_inference, resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
 

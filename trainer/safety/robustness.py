@@ -52,8 +52,8 @@ from fastanchor.trainer.safety.effective_robustness import (
     solved_among,
     unsolved_by_testbed,
 )
-from fastanchor.trainer.safety.evaluate import checkpoint_references, collect, load_for_inference
-from fastanchor.trainer.build import resolve_device
+from fastanchor.trainer.safety.evaluate import checkpoint_references, collect
+from fastanchor.trainer.build import load_for_inference, resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
 CHART_NAME = "robustness_over_training.png"
