@@ -1,5 +1,9 @@
 """The training loop, top to bottom: data -> anchoring stage -> model -> loss -> step -> metrics.
 
+`train` sets up the processes and hands over to `run_training`: where the run starts, what it trains
+with, then per epoch `train_one_epoch` (the steps), `validate` (top-1/top-5), one metrics record and a
+checkpoint. Everything the loop does is written in these functions, in order; no callbacks.
+
 Standard and anchored training run through the same code; `anchor.enabled` decides whether the
 on-device stage builds [r, x - r] (6 channels) or only normalises (3 channels). What the loop trains
 with comes from the config in one place (`build.build_training`); one step is `step.TrainStep`; the
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +25,7 @@ from tqdm import tqdm
 
 from fastanchor.pipeline.data import evaluation_is_sharded, iterate_from
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.build import build_training, make_deterministic, resolve_device, seed_everything
+from fastanchor.trainer.build import Training, build_training, make_deterministic, resolve_device, seed_everything
 from fastanchor.trainer.checkpoint import checkpoint_name, remove_temporaries, set_aside_newer
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.distributed import (
@@ -33,14 +38,14 @@ from fastanchor.trainer.distributed import (
 )
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import topk_correct
-from fastanchor.trainer.resume import check_same_processes, find_resume_point, restore_rng
+from fastanchor.trainer.resume import ResumePoint, check_same_processes, find_resume_point, restore_rng
 from fastanchor.trainer.run_folder import MetricsLog, RunFolder
 from fastanchor.trainer.schedule import training_resolution
 from fastanchor.trainer.training_state import Progress, TrainingState
 
 
 @torch.no_grad()
-def validate_top1(model, loader, *, anchored: bool, references: FixedReferenceSet | None, seed: int,
+def validate(model, loader, *, anchored: bool, references: FixedReferenceSet | None, seed: int,
                   dtype: torch.dtype | None, progress: bool, processes: Processes = Processes(), flip: bool = False) -> dict:
     """Top-1/top-5 (%) over the loader; over all processes' shards when the loader is sharded;
     `flip`: left-right test-time augmentation (eval.flip_tta)."""
@@ -80,7 +85,9 @@ def train(config: Config, resume: str | None = None) -> Path:
 
 
 def run_training(config: Config, resume: str | None, processes: Processes, device: torch.device) -> Path:
-    t, a = config.train, config.anchor
+    """The whole run, top to bottom: where it starts, what it trains with, then per epoch `train_one_epoch`,
+    `validate`, one metrics record and a checkpoint."""
+    t = config.train
     if t.threads:
         torch.set_num_threads(t.threads)
     if t.deterministic:
@@ -109,17 +116,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     at = state.restore(point.state) if point else Progress()
     run.step.wrap(ddp=processes.several, compile=t.compile, device=device)
     if processes.main:  # only rank 0 writes
-        folder.checkpoints.mkdir(parents=True, exist_ok=True)
-        remove_temporaries(folder.checkpoints)
-        if point is None:
-            folder.write_config(config)
-            if run.label_noise is not None:
-                folder.write_label_noise(run.label_noise)
-        else:
-            moved = set_aside_newer(point.path)
-            print(f"resuming from '{point.path}' (epoch {at.epoch + 1}, batch {at.batch} of {run.steps_per_epoch}, "
-                  f"step {at.step})" + (f"; {len(moved)} newer checkpoint(s) moved to {folder.checkpoints / 'superseded'}"
-                                        if moved else ""), flush=True)
+        prepare_run_folder(folder, config, run, point, at)
     log = MetricsLog(folder, resumed_at=at.step if point else None, tensorboard=t.tensorboard, enabled=processes.main)
     if point is not None:
         restore_rng(point.state["ranks"][processes.rank]["rng"], device)
@@ -127,49 +124,22 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     shown_loss = float("nan")
     try:
         for epoch in range(at.epoch, t.epochs):
-            # --- one epoch of training -------------------------------------------------------
             at.epoch = epoch
-            run.step.model.train()
-            run.loader.set_epoch(epoch)
-            resolution = training_resolution(config.data, epoch)  # progressive resizing; eval stays at data.image_size
-            run.loader.set_image_size(resolution)
-            started, seen, input_shape = time.perf_counter(), 0, None
-            bar = tqdm(iterate_from(run.loader, at.batch), initial=at.batch, total=run.steps_per_epoch,
-                       desc=f"epoch {epoch + 1}/{t.epochs}", disable=not show, unit="batch", dynamic_ncols=True)
-            for images, labels in bar:
-                batch = run.stage.process(images, labels)
-                loss = run.step(batch)
-                at.step, at.batch = at.step + 1, at.batch + 1
-                if loss is not None:
-                    run.losses.add(loss, batch.labels.numel(), batch.masked, at.step)  # no device sync
-                else:  # train.nonfinite = skip
-                    at.skipped += 1
-                run.scheduler.step()
-                seen += batch.labels.numel()
-                input_shape = list(batch.inputs.shape[1:])
-                images_per_s = processes.world_size * seen / (time.perf_counter() - started)
-                lr = run.scheduler.get_last_lr()[0]
-                if at.step % t.log_interval == 0:
-                    window, bad_step = run.losses.read_window(processes)  # the one sync per log_interval steps
-                    if bad_step is not None:
-                        raise state.nonfinite_loss(bad_step, at)
-                    shown_loss = window["loss"] if window["loss"] is not None else float("nan")
-                    log({"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4), "loss": window["loss"],
-                         "lr": lr, "masked": window["masked"], "images_per_s": images_per_s, "skipped_steps": at.skipped})
-                bar.set_postfix(loss=f"{shown_loss:.3f}", img_s=f"{images_per_s:.0f}", lr=f"{lr:.3g}")
-                if t.checkpoint_interval and at.step % t.checkpoint_interval == 0 and at.batch < run.steps_per_epoch:
-                    state.save(at, {"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4)})
-                if at.step == t.max_steps:  # a smoke test of the recipe: no validation, no checkpoint
-                    return folder.root
-
-            # --- per-epoch validation and checkpoint ----------------------------------------
+            trained = train_one_epoch(run, state, at, log, resolution=training_resolution(config.data, epoch),
+                                      epochs=t.epochs, log_interval=t.log_interval, max_steps=t.max_steps,
+                                      checkpoint_interval=t.checkpoint_interval, processes=processes, show=show,
+                                      shown_loss=shown_loss)
+            if trained.stopped:  # train.max_steps: a smoke test of the recipe, no validation, no checkpoint
+                return folder.root
+            shown_loss = trained.shown_loss
             broadcast_module_buffers(processes, run.step.eval_model)  # BatchNorm statistics: rank 0's everywhere
-            val = validate_top1(run.step.eval_model, run.val_loader, anchored=a.enabled, references=run.references,
-                                seed=config.eval.seed, dtype=run.step.autocast_dtype, progress=show, processes=processes,
-                                flip=config.eval.flip_tta)
+            val = validate(run.step.eval_model, run.val_loader, anchored=config.anchor.enabled, references=run.references,
+                           seed=config.eval.seed, dtype=run.step.autocast_dtype, progress=show, processes=processes,
+                           flip=config.eval.flip_tta)
             record = {"epoch": epoch + 1, "step": at.step, "train_loss": run.losses.read_epoch(processes),
-                      "train_images_per_s": processes.world_size * seen / (time.perf_counter() - started),
-                      "skipped_steps": at.skipped, "resolution": resolution, "train_input_shape": input_shape, **val}
+                      "train_images_per_s": processes.world_size * trained.seen / (time.perf_counter() - trained.started),
+                      "skipped_steps": at.skipped, "resolution": trained.resolution,
+                      "train_input_shape": trained.input_shape, **val}
             log(record)
             if show:
                 loss_text = "n/a" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
@@ -182,3 +152,71 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     if processes.main:
         folder.link_final(folder.checkpoints / checkpoint_name(t.epochs, at.step, True))
     return folder.root
+
+
+@dataclass
+class EpochStats:
+    """What one call of `train_one_epoch` saw: the epoch's metrics record is made from it."""
+    resolution: int  # the training images' side this epoch (progressive resizing)
+    started: float  # time.perf_counter() when the epoch began
+    shown_loss: float  # the last logged loss window, shown on the progress bar
+    seen: int = 0  # images trained on by this process
+    input_shape: list | None = None  # the network input's [C, H, W]
+    stopped: bool = False  # train.max_steps was reached
+
+
+def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: MetricsLog, *, resolution: int, epochs: int,
+                    log_interval: int, max_steps: int, checkpoint_interval: int, processes: Processes, show: bool,
+                    shown_loss: float) -> EpochStats:
+    """Epoch `at.epoch` from batch `at.batch` on, at `resolution` px (progressive resizing; evaluation stays at
+    data.image_size): data -> anchoring stage -> step, the loss logged every `log_interval` steps (the one device
+    sync), a mid-epoch checkpoint every `checkpoint_interval` steps (0: none), a stop at step `max_steps`."""
+    run.step.model.train()
+    run.loader.set_epoch(at.epoch)
+    run.loader.set_image_size(resolution)
+    stats = EpochStats(resolution=resolution, started=time.perf_counter(), shown_loss=shown_loss)
+    bar = tqdm(iterate_from(run.loader, at.batch), initial=at.batch, total=run.steps_per_epoch,
+               desc=f"epoch {at.epoch + 1}/{epochs}", disable=not show, unit="batch", dynamic_ncols=True)
+    for images, labels in bar:
+        batch = run.stage.process(images, labels)
+        loss = run.step(batch)
+        at.step, at.batch = at.step + 1, at.batch + 1
+        if loss is not None:
+            run.losses.add(loss, batch.labels.numel(), batch.masked, at.step)  # no device sync
+        else:  # train.nonfinite = skip
+            at.skipped += 1
+        run.scheduler.step()
+        stats.seen += batch.labels.numel()
+        stats.input_shape = list(batch.inputs.shape[1:])
+        images_per_s = processes.world_size * stats.seen / (time.perf_counter() - stats.started)
+        lr = run.scheduler.get_last_lr()[0]
+        if at.step % log_interval == 0:
+            window, bad_step = run.losses.read_window(processes)  # the one sync per log_interval steps
+            if bad_step is not None:
+                raise state.nonfinite_loss(bad_step, at)
+            stats.shown_loss = window["loss"] if window["loss"] is not None else float("nan")
+            log({"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4), "loss": window["loss"],
+                 "lr": lr, "masked": window["masked"], "images_per_s": images_per_s, "skipped_steps": at.skipped})
+        bar.set_postfix(loss=f"{stats.shown_loss:.3f}", img_s=f"{images_per_s:.0f}", lr=f"{lr:.3g}")
+        if checkpoint_interval and at.step % checkpoint_interval == 0 and at.batch < run.steps_per_epoch:
+            state.save(at, {"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4)})
+        if at.step == max_steps:
+            stats.stopped = True
+            break
+    return stats
+
+
+def prepare_run_folder(folder: RunFolder, config: Config, run: Training, point: ResumePoint | None, at: Progress) -> None:
+    """Rank 0, before the first step: the checkpoint folder without leftover temporaries; a new run's config
+    (and flipped labels); a resumed run's newer checkpoints set aside, and one line saying where it resumes."""
+    folder.checkpoints.mkdir(parents=True, exist_ok=True)
+    remove_temporaries(folder.checkpoints)
+    if point is None:
+        folder.write_config(config)
+        if run.label_noise is not None:
+            folder.write_label_noise(run.label_noise)
+    else:
+        moved = set_aside_newer(point.path)
+        print(f"resuming from '{point.path}' (epoch {at.epoch + 1}, batch {at.batch} of {run.steps_per_epoch}, "
+              f"step {at.step})" + (f"; {len(moved)} newer checkpoint(s) moved to {folder.checkpoints / 'superseded'}"
+                                    if moved else ""), flush=True)
