@@ -9,14 +9,14 @@ builds it once ``fastanchor.trainer.models`` is imported.
 
 from __future__ import annotations
 
-import timm
 import torch
 from timm.layers import create_classifier
-from timm.models import build_model_with_cfg, register_model
+from timm.models import build_model_with_cfg
 from torch import nn
 
 from fastanchor.errors import ConfigError
 from fastanchor.trainer.models.classifier_head import PooledLinearHead
+from fastanchor.trainer.models.timm_registry import CIFAR_CFG, register_once
 
 WRN40_2 = "fastanchor_wrn40_2"
 
@@ -81,9 +81,7 @@ class WideResNet(PooledLinearHead):
 
 # Read by timm's register_model (this module's default_cfgs) and build_model_with_cfg.
 default_cfgs = {
-    WRN40_2: dict(url="", num_classes=10, input_size=(3, 32, 32), pool_size=(8, 8), crop_pct=1.0,
-                  interpolation="bilinear", mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
-                  first_conv="stem", classifier="fc", license="apache-2.0"),
+    WRN40_2: dict(CIFAR_CFG, pool_size=(8, 8), first_conv="stem"),
 }
 
 
@@ -95,5 +93,4 @@ def fastanchor_wrn40_2(pretrained: bool = False, **kwargs) -> WideResNet:
                                 feature_cfg=dict(flatten_sequential=True), **kwargs)
 
 
-if not timm.is_model(WRN40_2):  # importing twice (or under two names) must not re-register
-    register_model(fastanchor_wrn40_2)
+register_once(fastanchor_wrn40_2)
