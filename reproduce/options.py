@@ -11,8 +11,9 @@ SCALES = ("tiny", "small", "cifar", "imagenet")
 
 
 @dataclass
-class ReproduceOptions:
-    experiment: str = option("", "the experiment to run (listed by `fastanchor reproduce --help`)", positional=True)
+class ReproduceFlags:
+    """The flags of `fastanchor reproduce` (ReproduceOptions adds the positional EXPERIMENT)."""
+
     scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU)", choices=SCALES)
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")
     out: str = option("runs/reproduce", "where <experiment>/<run>/ and the aggregated result files are written")
@@ -24,6 +25,11 @@ class ReproduceOptions:
     aggregate_only: bool = option(False, "only aggregate the runs already finished into the result files")
     record: str = option("", "also write result.json, result.png and a generated README.md into <record>/<experiment>/")
     progress: bool = option(True, "progress bars while training and evaluating")
+
+
+@dataclass
+class ReproduceOptions(ReproduceFlags):
+    experiment: str = option("", "the experiment to run (listed by `fastanchor reproduce --help`)", positional=True)
 
     @property
     def effective_scale(self) -> str:

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastanchor.pipeline.corruptions import CORRUPTIONS, IMAGENET_C_BAR_CORRUPTIONS
-
 TINY_EMBEDDED = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
 SMALL_DATA = "data/embedded_demo"  # the demo recipe's data.root: generated once, shared with `fastanchor demo`
 SMALL_TRAIN_IMAGES = 5000          # the demo recipe's 10 classes x 500 training images
@@ -68,23 +66,29 @@ class Setup:
     ood_sets: tuple[str, ...] = ()  # eval.ood_sets entries name=path
     max_images: int = 0         # eval.max_images (0: all)
     small_epochs: bool = False  # the experiment's small-scale epochs replace the recipe's
+    few: bool = False           # tiny: two corruptions per benchmark at the first and last severity only
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def evaluation(self, ev: Evaluation) -> list[str]:
         """`fastanchor evaluate --set` overrides of this setup for `ev` (seed and device are the run's)."""
-        s = [f"eval.severities={flow(ev.severities)}", f"eval.num_references={ev.references}",
+        from fastanchor.pipeline.corruptions import CORRUPTIONS, IMAGENET_C_BAR_CORRUPTIONS  # numpy, scipy: not for --help
+
+        severities = (ev.severities[0], ev.severities[-1]) if self.few else ev.severities
+        names = {b: ("gaussian_noise", "contrast") if self.few else CORRUPTIONS[b] for b in CORRUPTIONS}
+        bar = IMAGENET_C_BAR_CORRUPTIONS[:1] if self.few else IMAGENET_C_BAR_CORRUPTIONS
+        s = [f"eval.severities={flow(dict.fromkeys(severities))}", f"eval.num_references={ev.references}",
              f"eval.blt={str(ev.blt).lower()}", "eval.plots=false", f"eval.max_images={self.max_images}"]
         if ev.corruptions and self.c_files:
             s += [f"{self.c_key}={self.c_files}", "eval.corruptions=[]"]
         elif ev.corruptions:
             s += [f"eval.corruption_parameters={self.corruption_parameters}",
-                  f"eval.corruptions={flow(CORRUPTIONS[self.corruption_parameters])}"]
+                  f"eval.corruptions={flow(names[self.corruption_parameters])}"]
         else:
             s += ["eval.corruptions=[]"]
         if ev.corruptions_bar and self.c_bar_files:
             s += [f"eval.c_bar_root={self.c_bar_files}", "eval.corruptions_bar=[]"]
         else:
-            s += [f"eval.corruptions_bar={flow(IMAGENET_C_BAR_CORRUPTIONS if ev.corruptions_bar else ())}"]
+            s += [f"eval.corruptions_bar={flow(bar if ev.corruptions_bar else ())}"]
         if ev.datasets:
             s += list(self.datasets)
         if ev.ood:
@@ -118,7 +122,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
                  "train.epochs=1", "anchor.inference_references=8", "anchor.mask_level=batch", *embedded)
         whole = TINY_EMBEDDED["num_classes"] * TINY_EMBEDDED["train_per_class"]
         return {"tiny": Setup("tiny", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, whole, train, ood_split=True,
-                              max_images=16)}
+                              max_images=16, few=True)}
     if scale == "small":
         train = (f"data.root={data or SMALL_DATA}", "anchor.mask_level=batch")
         return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, train,
@@ -132,7 +136,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
             pickles = "cifar-10-batches-py" if classes == 10 else "cifar-100-python"
             name = f"cifar{classes}_{model}"
             train = (f"data.cifar_dir={root / pickles}", f"data.root={root / f'cifar{classes}'}")
-            c_files = _existing(root / f"CIFAR-{classes}-C", notes, "CIFAR-10-C's corruptions at 32 px on the fly")
+            c_files = _existing(root / f"CIFAR-{classes}-C", notes, "CIFAR-C-strength (32 px) corruptions on the fly")
             c_bar = _existing(root / f"CIFAR-{classes}-C-bar", notes, "C-bar corruptions on the fly (ImageNet-C-bar strengths)")
             found[name] = Setup(name, paper, f"cifar/{name}", f"cifar/{name}_anchored", 0.25, 50_000, train,
                                 c_files=c_files, c_bar_files=c_bar,
