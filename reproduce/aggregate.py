@@ -140,7 +140,7 @@ VIEWS = {
                  "bars_metrics", ("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt"), "top-1 (%)"),
     "tab1": View(("id_top1", r"c_sev\d", r"cbar_sev\d", r"[a-z-]+_top1", "smece_mean"), "severity",
                  (r"c_sev\d", r"cbar_sev\d"), "mean corruption top-1 (%)"),
-    "tab3": View((r"auroc_[a-z]+", r"auroc_energy_.+"), "bars_metrics", (r"auroc_[a-z]+",), "AUROC (%)"),
+    "tab3": View(("id_top1", r"auroc_[a-z]+", r"auroc_energy_.+"), "bars_metrics", (r"auroc_[a-z]+",), "AUROC (%)"),
     "tab4": View(("id_top1", "c_mean"), "curve", ("id_top1", "c_mean"), "top-1 (%)"),
     "fig5a": View(("c_sev5", "id_top1"), "bars_values", ("c_sev5",), "corruption top-1 at severity 5 (%)"),
     "fig5b": View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"),
