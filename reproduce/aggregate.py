@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 import yaml
 
 from fastanchor.files import atomic_write_bytes
-from fastanchor.reproduce.experiments import ARM_LABELS, WHOLE, Experiment, Run
+from fastanchor.reproduce.experiments import ARM_LABELS, EXPERIMENTS, WHOLE, Experiment, Run
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
 VISION_OOD = ("iSUN", "Textures", "Places365")
@@ -132,12 +133,14 @@ class View:
     plot: str                  # curve | bars_values | bars_metrics | severity
     plot_metrics: tuple[str, ...]
     ylabel: str
+    more: tuple[tuple[tuple[str, ...], str], ...] = ()  # bars_metrics: further panels (metrics, y label)
 
 
 VIEWS = {
     "fig1": View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"),
     "fig2": View(("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt", "ms_one", "ms_k", "ms_blt"),
-                 "bars_metrics", ("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt"), "top-1 (%)"),
+                 "bars_metrics", ("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt"), "top-1 (%)",
+                 ((("ms_one", "ms_k", "ms_blt"), "ms per 1000 ID images"),)),
     "tab1": View(("id_top1", r"c_sev\d", r"cbar_sev\d", r"[a-z-]+_top1", "smece_mean"), "severity",
                  (r"c_sev\d", r"cbar_sev\d"), "mean corruption top-1 (%)"),
     "tab3": View(("id_top1", r"auroc_[a-z]+", r"auroc_energy_.+"), "bars_metrics", (r"auroc_[a-z]+",), "AUROC (%)"),
@@ -216,7 +219,7 @@ def markdown(result: dict) -> str:
     view = VIEWS[result["experiment"]]
     present = sorted({k for g in result["summary"] for k in g["metrics"]}, key=natural)
     columns = pick(view.columns, present)
-    axis = result["axis"]
+    axis = result["axis"].replace("|", "\\|")  # a Markdown table cell
     lines = [f"# {result['experiment']}: {result['title']}", "",
              f"- paper: {result['paper_source']}",
              f"- scale: {result['scale']}; runs: {len(result['runs'])} finished"
@@ -263,8 +266,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def x_position(value, whole: int):
-    return whole if value == WHOLE else value
+def experiment_is_log(result: dict) -> bool:
+    return EXPERIMENTS[result["experiment"]].log_x
+
+
+def x_position(value, whole: int, largest: float):
+    """Where a swept value sits on the x axis: the whole training set at its size (10x the largest size
+    when the set is not held fixed, e.g. ImageNet's derangement references)."""
+    return (whole or 10 * largest) if value == WHOLE else value
 
 
 def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> None:
@@ -283,14 +292,15 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
         panels = [(s, m) for s in setups for m in pick(view.plot_metrics, present)] or [(setups[0], "")]
     elif view.plot == "severity":
         panels = [(s, p) for s in setups for p in view.plot_metrics if pick((p,), present)] or [(setups[0], "")]
-    else:
-        panels = [(s, "") for s in setups]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    else:  # a panel of the view's metrics per setup, and one per further group of metrics
+        panels = [(s, str(i)) for s in setups for i in range(1 + len(view.more))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 8.0), 4.2), squeeze=False)
     for ax, (setup, metric) in zip(axes[0], panels):
         groups = [g for g in summary if g["setup"] == setup]
         if view.plot == "curve":
             values = [v for v in dict.fromkeys(g["value"] for g in groups) if v is not None]
-            xs = {v: x_position(v, (whole or {}).get(setup, 0)) for v in values}
+            numeric = [v for v in values if isinstance(v, (int, float))] or [1]
+            xs = {v: x_position(v, (whole or {}).get(setup, 0), max(numeric)) for v in values}
             for arm in arms:
                 mine = sorted((g for g in groups if g["arm"] == arm and metric in g["metrics"]),
                               key=lambda g: xs.get(g["value"], 0))
@@ -306,8 +316,10 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                 if papers:
                     ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=colours[arm],
                             label=f"{ARM_LABELS[arm]}, paper")
-            if result["experiment"] == "fig1":
+            if experiment_is_log(result):
                 ax.set_xscale("log")
+                ax.set_xticks(list(xs.values()), [f"all ({xs[v]})" if v == WHOLE and (whole or {}).get(setup) else "all" if v == WHOLE else str(v) for v in xs])
+                ax.minorticks_off()
             ax.set_xlabel(result["axis"] + (" (whole: the training set)" if WHOLE in values else ""))
             ax.set_ylabel(label(metric))
         elif view.plot == "severity":
@@ -333,7 +345,8 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                 cell = lambda g, t: g["metrics"].get(metric) if g["value"] == t else None  # noqa: E731
                 mark = lambda g, t: g["paper"].get(metric) if g["value"] == t else None  # noqa: E731
             else:
-                ticks = pick(view.plot_metrics, sorted({k for g in groups for k in g["metrics"]}, key=natural))
+                patterns, ylabel = (((view.plot_metrics, view.ylabel),) + view.more)[int(metric)]
+                ticks = pick(patterns, sorted({k for g in groups for k in g["metrics"]}, key=natural))
                 cell = lambda g, t: g["metrics"].get(t)  # noqa: E731
                 mark = lambda g, t: g["paper"].get(t)  # noqa: E731
             width = 0.8 / max(len(arms), 1)
@@ -358,12 +371,12 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                                 color="black", label=once("paper"))
             ax.set_xticks(range(len(ticks)), [str(t) if view.plot == "bars_values" else label(t) for t in ticks],
                           rotation=30, ha="right")
-            ax.set_ylabel(label(metric) if view.plot == "bars_values" else view.ylabel)
-        ax.set_title(setup + (f": {label(metric)}" if metric and view.plot != "severity" else ""))
+            ax.set_ylabel(label(metric) if view.plot == "bars_values" else ylabel)
+        ax.set_title(setup + (f": {label(metric)}" if metric and view.plot in ("curve", "bars_values") else ""))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=7)
-    fig.suptitle(f"{result['experiment']} ({result['scale']} scale): {result['title']}", fontsize=9)
+    fig.suptitle(textwrap.fill(f"{result['experiment']} ({result['scale']} scale): {result['title']}", 110), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path.with_suffix(".tmp.png"), dpi=110)

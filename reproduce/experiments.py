@@ -134,7 +134,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
                 "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}, layout="table"),
     Experiment(
         "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
-        ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True)},
+        ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True, references=10)},
         setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")},
         layout="bars"),
     Experiment(
