@@ -11,6 +11,9 @@ What is read from each run's eval.json (metric keys, shared with paper_numbers/*
   auroc_<score>, auroc_<score>_<set>    anomaly-rejection AUROC (%) per score: mean over OOD sets, and per set
   auroc_energy_vision_ood               mean energy AUROC over iSUN, Textures and Places365 (the paper's "Vision OOD")
   ms_one, ms_k, ms_blt                  ms per 1000 ID images of each protocol
+  ms_one_pooled, ms_k_pooled, ms_blt_pooled   ms per 1000 images over every set the protocol ran on
+The per-protocol shift numbers come from eval.json's by_protocol block where it has one (else from
+top1_k<K> / top1_blt keys of the shift sets, where present).
 """
 
 from __future__ import annotations
@@ -103,6 +106,15 @@ def metrics_of(result: dict) -> dict[str, float]:
         values = [v for s in corruption_sets for k, v in s.items() if re.fullmatch(pattern, k)]
         if corruption_sets and len(values) == len(corruption_sets):
             m[f"c_top1_{protocol}"] = float(np.mean(values))
+    for name, protocol in result.get("by_protocol", {}).items():  # every protocol on every set (issue 26, item 2)
+        key = "one" if name == "one_reference" else "blt" if name == "blt" else "k"
+        means = [v for bench, per in (protocol.get("severity_mean_top1") or {}).items() if benchmark_key(bench) == "c"
+                 for v in per.values()]
+        if means and key != "one":
+            m[f"c_top1_{key}"] = float(np.mean(means))
+        pooled = (protocol.get("ms_per_1000") or {}).get("pooled")
+        if pooled is not None:
+            m[f"ms_{key}_pooled"] = pooled
     for name, s in result.get("shifts", {}).items():
         if s.get("kind") == "dataset":
             m[f"{name}_top1"] = s["top1"]
@@ -138,9 +150,11 @@ class View:
 
 VIEWS = {
     "fig1": View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"),
-    "fig2": View(("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt", "ms_one", "ms_k", "ms_blt"),
+    "fig2": View(("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt", r"ms_(one|k|blt)",
+                  r"ms_(one|k|blt)_pooled"),
                  "bars_metrics", ("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt"), "top-1 (%)",
-                 ((("ms_one", "ms_k", "ms_blt"), "ms per 1000 ID images"),)),
+                 (((r"ms_(one|k|blt)",), "ms per 1000 ID images"),
+                  ((r"ms_(one|k|blt)_pooled",), "ms per 1000 images, every set"))),
     "tab1": View(("id_top1", r"c_sev\d", r"cbar_sev\d", r"[a-z-]+_top1", "smece_mean"), "severity",
                  (r"c_sev\d", r"cbar_sev\d"), "mean corruption top-1 (%)"),
     "tab3": View(("id_top1", r"auroc_[a-z]+", r"auroc_energy_.+"), "bars_metrics", (r"auroc_[a-z]+",), "AUROC (%)"),
@@ -150,7 +164,9 @@ VIEWS = {
 }
 METRIC_LABELS = {"id_top1": "ID top-1", "id_top1_k": "ID top-1, K refs", "id_top1_blt": "ID top-1, BLT",
                  "c_mean": "C mean", "cbar_mean": "C-bar mean", "c_top1_k": "C mean, K refs", "c_top1_blt": "C mean, BLT",
-                 "ms_one": "ms/1000, 1 ref", "ms_k": "ms/1000, K refs", "ms_blt": "ms/1000, BLT", "smece_mean": "smECE"}
+                 "ms_one": "ms/1000, 1 ref", "ms_k": "ms/1000, K refs", "ms_blt": "ms/1000, BLT", "smece_mean": "smECE",
+                 "ms_one_pooled": "ms/1000 all sets, 1 ref", "ms_k_pooled": "ms/1000 all sets, K refs",
+                 "ms_blt_pooled": "ms/1000 all sets, BLT"}
 
 
 def label(metric: str) -> str:
@@ -293,7 +309,9 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
     elif view.plot == "severity":
         panels = [(s, p) for s in setups for p in view.plot_metrics if pick((p,), present)] or [(setups[0], "")]
     else:  # a panel of the view's metrics per setup, and one per further group of metrics
-        panels = [(s, str(i)) for s in setups for i in range(1 + len(view.more))]
+        groups_of = ((view.plot_metrics, view.ylabel),) + view.more
+        panels = [(s, str(i)) for s in setups for i, (patterns, _) in enumerate(groups_of) if pick(patterns, present)]
+        panels = panels or [(setups[0], "0")]
     fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 8.0), 4.2), squeeze=False)
     for ax, (setup, metric) in zip(axes[0], panels):
         groups = [g for g in summary if g["setup"] == setup]

@@ -19,6 +19,7 @@ import yaml
 from conftest import TINY_SPEC, run_cli, run_main
 from fastanchor.reproduce.aggregate import PAPER_NUMBERS, VIEWS, paper_numbers
 from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan
+from fastanchor.reproduce.record import regenerate
 from fastanchor.reproduce.scales import TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
 from fastanchor.trainer.config import Config, load_config
@@ -190,6 +191,12 @@ def test_tiny_paper_columns_sit_beside_ours(tiny_dataset, tmp_path):
     assert standard["paper"]["id_top1"] == {"number": 95.15, "source": "Table 1"}
     assert standard["paper"]["c_sev5"]["number"] == 58.72
     assert "| 95.15 |" in (out / "tab1" / "result.md").read_text()
+    record = tmp_path / "record"
+    reproduce("tab1", "--tiny", "--data", tiny_dataset, "--out", out, "--aggregate-only", "--record", record)
+    written = (record / "tab1" / "README.md").read_text()
+    (record / "tab1" / "README.md").unlink()
+    regenerate(record / "tab1")  # the committed README comes back from the committed result.json alone
+    assert (record / "tab1" / "README.md").read_text() == written
 
 
 def test_a_stopped_sweep_goes_on_where_it_stopped(tiny_dataset, tmp_path):
@@ -228,3 +235,29 @@ def test_a_half_trained_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
     assert first.stat().st_mtime_ns == stamp and last.exists()
     assert (folder / "final.pt").resolve() == last.resolve() and (folder / "eval.json").is_file()
     assert execute([run], out, "cpu", progress=False) == {"skipped": 1, "trained": 0, "evaluated": 0}
+
+
+def test_metrics_of_a_hand_made_evaluation():
+    """Every key of the aggregation from a hand-written eval.json: per-severity means per benchmark (C and
+    C-bar apart), the per-protocol block, OOD AUROC in percent and the paper's Vision OOD mean."""
+    from fastanchor.reproduce.aggregate import metrics_of
+
+    result = {
+        "id": {"top1": 90.0, "top1_k10": 91.0, "top1_blt": 89.0},
+        "ms_per_1000": {"one_reference": 2.0, "k10": 20.0, "blt": 40.0},
+        "severity_mean_top1": {"cifar-10-c": {"1": 80.0, "5": 40.0}, "imagenet-c-bar": {"1": 70.0, "5": 50.0}},
+        "shifts": {"sketch": {"kind": "dataset", "top1": 30.0}},
+        "calibration": {"smece_mean": 0.1, "smece_std": 0.02},
+        "by_protocol": {"k10": {"severity_mean_top1": {"cifar-10-c": {"1": 82.0, "5": 44.0}},
+                                "ms_per_1000": {"pooled": 25.0}},
+                        "blt": {"severity_mean_top1": {}, "ms_per_1000": {"pooled": 45.0}}},
+        "ood": {"auroc": {"energy": 0.8}, "sets": {name: {"energy": {"auroc": value}} for name, value in
+                                                   (("iSUN", 0.7), ("Textures", 0.8), ("Places365", 0.9), ("NINCO", 0.6))}},
+    }
+    m = metrics_of(result)
+    assert m == pytest.approx({
+        "id_top1": 90.0, "id_top1_k": 91.0, "id_top1_blt": 89.0, "ms_one": 2.0, "ms_k": 20.0, "ms_blt": 40.0,
+        "c_sev1": 80.0, "c_sev5": 40.0, "c_mean": 60.0, "cbar_sev1": 70.0, "cbar_sev5": 50.0, "cbar_mean": 60.0,
+        "c_top1_k": 63.0, "ms_k_pooled": 25.0, "ms_blt_pooled": 45.0, "sketch_top1": 30.0, "smece_mean": 0.1,
+        "smece_std": 0.02, "auroc_energy": 80.0, "auroc_energy_iSUN": 70.0, "auroc_energy_Textures": 80.0,
+        "auroc_energy_Places365": 90.0, "auroc_energy_NINCO": 60.0, "auroc_energy_vision_ood": 80.0})
