@@ -84,6 +84,9 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     assert wnids == "200" and "imagenet-r" in fits
     script = str(target / "bin" / "fastanchor")  # the console entry point, as pip wrote it
     assert "train" in run(script, "--help")
+    typed = run(sys.executable, "-c", "from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers\n"
+                                      "print(PAPER_NUMBERS, len(paper_numbers('tab1')['entries']))").split()
+    assert Path(typed[0]).is_relative_to(target) and int(typed[1]) > 0  # the paper's numbers ship with the wheel
     listed = run(script, "recipes")
     assert all(f"`{name}`" in listed for name in recipe_names() if "/" in name)
 
