@@ -219,7 +219,8 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
         summary.append({"setup": setup, "arm": arm, "value": value, "seeds": sorted(r["seed"] for r in members),
                         "metrics": stats, "paper_setup": compared,
                         "paper": {k: {"number": e["number"], "source": e["source"]} for k, e in numbers.items() if e}})
-    return {"experiment": experiment.name, "title": experiment.title, "paper_source": f"{paper['source']}, {experiment.source}",
+    return {"experiment": experiment.name, "title": experiment.title, "source": experiment.source,
+            "paper_source": f"{paper['source']}, {experiment.source}",
             "scale": scale, "axis": experiment.axis, "runs": rows, "missing": missing, "summary": summary,
             "paper": paper, "setups": setup_papers,
             "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)"}

@@ -14,7 +14,7 @@ from pathlib import Path
 from fastanchor.reproduce.aggregate import aggregate, write_results
 from fastanchor.reproduce.experiments import EXPERIMENTS, Experiment, Run, plan
 from fastanchor.reproduce.options import ReproduceOptions
-from fastanchor.reproduce.record import write_record
+from fastanchor.reproduce.record import write_index, write_record
 from fastanchor.reproduce.scales import setups
 
 
@@ -77,7 +77,7 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
           f"{paths['result.png']}")
     if options.record:
         written = write_record(result, paths["result.png"], Path(options.record) / experiment.name)
-        print(f"record written: {written}")
+        print(f"record written: {written} (and the index {write_index(Path(options.record))})")
     return result
 
 

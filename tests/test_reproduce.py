@@ -180,6 +180,7 @@ def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
     readme = (record / "README.md").read_text()
     assert "fastanchor reproduce " + experiment in readme and "docs/reproduce.md" in readme
     assert (record / "result.png").read_bytes() == (out / experiment / "result.png").read_bytes()
+    assert f"| [{experiment}]({experiment}/README.md)" in (tmp_path / "record" / "README.md").read_text()
 
 
 def test_tiny_paper_columns_sit_beside_ours(tiny_dataset, tmp_path):
