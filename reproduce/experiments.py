@@ -181,7 +181,7 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
     runs, notes = [], []
     for name in names:
         setup = found[name]
-        notes += [n for n in setup.notes if n not in notes]
+        notes += [n for n in setup.notes_for(ev) if n not in notes]
         for arm in experiment.arms:
             recipe, arm_sets = arm_overrides(setup, arm)
             for value in experiment.arm_values(arm, experiment.values_at(scale)):

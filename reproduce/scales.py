@@ -19,6 +19,7 @@ said so in the plan's notes); a missing ImageNet-R, Sketch or OOD folder is left
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,9 @@ TINY_EMBEDDED = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, v
 SMALL_DATA = "data/embedded_demo"  # the demo recipe's data.root: generated once, shared with `fastanchor demo`
 SMALL_TRAIN_IMAGES = 5000          # the demo recipe's 10 classes x 500 training images
 PAPER_SEVERITIES = (1, 2, 3, 4, 5)
+# small scale: 9 of CIFAR-10-C's 19 corruptions (noise, blur, digital), the cheap ones to make on the fly
+SMALL_CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "gaussian_blur", "defocus_blur",
+                     "contrast", "pixelate", "jpeg_compression")
 
 
 def flow(values) -> str:
@@ -58,37 +62,47 @@ class Setup:
     whole: int                  # |R| = the whole training set (0: not holdable as a fixed set: derangement references)
     train: tuple[str, ...] = ()  # overrides of every run: data paths, sizes
     corruption_parameters: str = "cifar-10-c"
+    corruptions: tuple[str, ...] = ()  # the C corruptions on the fly (empty: every one of the parameter set)
     c_files: str = ""           # pre-generated C set ('' : on the fly); key eval.cifar_c_root or eval.c_root
     c_key: str = "eval.cifar_c_root"
-    c_bar_files: str = ""       # eval.c_bar_root ('' : eval.corruptions_bar on the fly)
+    bar_parameters: str = "cifar-10-c-bar"  # C-bar strengths on the fly (where this build has them)
+    c_bar_files: str = ""       # pre-generated C-bar set ('' : eval.corruptions_bar on the fly)
+    c_bar_key: str = "eval.cifar_c_bar_root"
     datasets: tuple[str, ...] = ()  # eval overrides adding ImageNet-R / Sketch
     ood_split: bool = False     # data.ood_split holds anomaly images (the embedded data)
     ood_sets: tuple[str, ...] = ()  # eval.ood_sets entries name=path
     max_images: int = 0         # eval.max_images (0: all)
     small_epochs: bool = False  # the experiment's small-scale epochs replace the recipe's
     few: bool = False           # tiny: two corruptions per benchmark at the first and last severity only
-    notes: tuple[str, ...] = field(default=(), compare=False)
+    notes: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # (c|cbar|datasets|ood, what the plan found)
+
+    def notes_for(self, ev: Evaluation) -> list[str]:
+        """The notes about the sets `ev` evaluates."""
+        wanted = {"c": ev.corruptions, "cbar": ev.corruptions_bar, "datasets": ev.datasets, "ood": ev.ood}
+        return [text for kind, text in self.notes if wanted[kind]]
 
     def evaluation(self, ev: Evaluation) -> list[str]:
         """`fastanchor evaluate --set` overrides of this setup for `ev` (seed and device are the run's)."""
-        from fastanchor.pipeline.corruptions import CORRUPTIONS, IMAGENET_C_BAR_CORRUPTIONS  # numpy, scipy: not for --help
+        from fastanchor.pipeline.corruptions import CORRUPTIONS  # numpy, scipy: not for --help
 
         severities = (ev.severities[0], ev.severities[-1]) if self.few else ev.severities
-        names = {b: ("gaussian_noise", "contrast") if self.few else CORRUPTIONS[b] for b in CORRUPTIONS}
-        bar = IMAGENET_C_BAR_CORRUPTIONS[:1] if self.few else IMAGENET_C_BAR_CORRUPTIONS
+        names = ("gaussian_noise", "contrast") if self.few else self.corruptions or CORRUPTIONS[self.corruption_parameters]
         s = [f"eval.severities={flow(dict.fromkeys(severities))}", f"eval.num_references={ev.references}",
              f"eval.blt={str(ev.blt).lower()}", "eval.plots=false", f"eval.max_images={self.max_images}"]
         if ev.corruptions and self.c_files:
             s += [f"{self.c_key}={self.c_files}", "eval.corruptions=[]"]
         elif ev.corruptions:
-            s += [f"eval.corruption_parameters={self.corruption_parameters}",
-                  f"eval.corruptions={flow(names[self.corruption_parameters])}"]
+            s += [f"eval.corruption_parameters={self.corruption_parameters}", f"eval.corruptions={flow(names)}"]
         else:
             s += ["eval.corruptions=[]"]
+        parameters, bar = bar_corruptions(self.bar_parameters)
         if ev.corruptions_bar and self.c_bar_files:
-            s += [f"eval.c_bar_root={self.c_bar_files}", "eval.corruptions_bar=[]"]
+            s += [f"{self.c_bar_key}={self.c_bar_files}", "eval.corruptions_bar=[]"]
+        elif ev.corruptions_bar:
+            s += ([f"eval.corruption_bar_parameters={parameters}"] if has_option("eval.corruption_bar_parameters") else [])
+            s += [f"eval.corruptions_bar={flow(bar[:1] if self.few else bar)}"]
         else:
-            s += [f"eval.corruptions_bar={flow(bar if ev.corruptions_bar else ())}"]
+            s += ["eval.corruptions_bar=[]"]
         if ev.datasets:
             s += list(self.datasets)
         if ev.ood:
@@ -98,18 +112,42 @@ class Setup:
         return s
 
 
-def _existing(path: Path, notes: list[str], instead: str) -> str:
+def has_option(key: str) -> bool:
+    """Whether this build's config declares `section.key` (options other branches add are used where present)."""
+    from fastanchor.trainer.config import Config
+
+    section, _, name = key.partition(".")
+    return name in {f.name for f in dataclasses.fields(type(getattr(Config(), section)))}
+
+
+def bar_corruptions(wanted: str) -> tuple[str, tuple[str, ...]]:
+    """The C-bar parameter set used for `wanted` and its corruptions: CIFAR-10-C-bar's strengths where this build
+    has them (eval.corruption_bar_parameters), else ImageNet-C-bar's, the only on-the-fly set before them."""
+    from fastanchor.pipeline import corruptions
+
+    sets = getattr(corruptions, "BAR_CORRUPTIONS", {"imagenet-c-bar": corruptions.IMAGENET_C_BAR_CORRUPTIONS})
+    parameters = wanted if wanted in sets else "imagenet-c-bar"
+    return parameters, tuple(sets[parameters])
+
+
+def bar_note(wanted: str) -> tuple[tuple[str, str], ...]:
+    parameters, _ = bar_corruptions(wanted)
+    return () if parameters == wanted else (("cbar", f"this build has no {wanted} corruptions (the data-options branch adds them): "
+                                           f"C-bar on the fly at {parameters} strengths"),)
+
+
+def _existing(path: Path, notes: list, instead: str, kind: str) -> str:
     if path.exists():
         return str(path)
-    notes.append(f"{path} not found: {instead}")
+    notes.append((kind, f"{path} not found: {instead}"))
     return ""
 
 
-def _ood_sets(root: Path, names: tuple[str, ...], notes: list[str]) -> tuple[str, ...]:
+def _ood_sets(root: Path, names: tuple[str, ...], notes: list) -> tuple[str, ...]:
     found = tuple(f"{name}={root / name}" for name in names if (root / name).is_dir())
     missing = [name for name in names if not (root / name).is_dir()]
     if missing:
-        notes.append(f"{root}: no {', '.join(missing)} folder: those anomaly sets are left out")
+        notes.append(("ood", f"{root}: no {', '.join(missing)} folder: those anomaly sets are left out"))
     return found
 
 
@@ -126,18 +164,22 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
     if scale == "small":
         train = (f"data.root={data or SMALL_DATA}", "anchor.mask_level=batch")
         return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, train,
-                              ood_split=True, max_images=500, small_epochs=True)}
+                              corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True,
+                              notes=bar_note("cifar-10-c-bar"))}
     root = Path(data)
     found: dict[str, Setup] = {}
     if scale == "cifar":
         for classes, model, paper in ((10, "resnet18", "CIFAR-10 ResNet-18"), (100, "resnet18", "CIFAR-100 ResNet-18"),
                                       (100, "wrn40_2", "CIFAR-100 WRN-40-2")):
-            notes: list[str] = []
+            notes: list = []
             pickles = "cifar-10-batches-py" if classes == 10 else "cifar-100-python"
             name = f"cifar{classes}_{model}"
             train = (f"data.cifar_dir={root / pickles}", f"data.root={root / f'cifar{classes}'}")
-            c_files = _existing(root / f"CIFAR-{classes}-C", notes, "CIFAR-C-strength (32 px) corruptions on the fly")
-            c_bar = _existing(root / f"CIFAR-{classes}-C-bar", notes, "C-bar corruptions on the fly (ImageNet-C-bar strengths)")
+            c_files = _existing(root / f"CIFAR-{classes}-C", notes, "CIFAR-C-strength (32 px) corruptions on the fly", "c")
+            c_bar = ""
+            if has_option("eval.cifar_c_bar_root"):
+                c_bar = _existing(root / f"CIFAR-{classes}-C-bar", notes, "C-bar corruptions on the fly", "cbar")
+            notes += [n for n in bar_note("cifar-10-c-bar") if n not in notes]
             found[name] = Setup(name, paper, f"cifar/{name}", f"cifar/{name}_anchored", 0.25, 50_000, train,
                                 c_files=c_files, c_bar_files=c_bar,
                                 ood_sets=_ood_sets(root / "ood", ("textures", "svhn", "isun", "places365"), notes),
@@ -147,16 +189,17 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
         for recipe, paper in (("swinv2_t", "SWINv2-T"), ("swinv2_s", "SWINv2-S"), ("vit_b16", "ViTb16"),
                               ("swinv2_b", "SWINv2-B")):
             notes = []
-            c_files = _existing(root / "imagenet-c", notes, "ImageNet-C's corruptions on the fly")
-            c_bar = _existing(root / "imagenet-c-bar", notes, "ImageNet-C-bar's corruptions on the fly")
+            c_files = _existing(root / "imagenet-c", notes, "ImageNet-C's corruptions on the fly", "c")
+            c_bar = _existing(root / "imagenet-c-bar", notes, "ImageNet-C-bar's corruptions on the fly", "cbar")
             datasets = []
-            if _existing(root / "imagenet-r", notes, "ImageNet-R left out"):
+            if _existing(root / "imagenet-r", notes, "ImageNet-R left out", "datasets"):
                 datasets.append(f"eval.imagenet_r={root / 'imagenet-r'}")
-            if _existing(root / "imagenet-sketch", notes, "ImageNet-Sketch left out"):
+            if _existing(root / "imagenet-sketch", notes, "ImageNet-Sketch left out", "datasets"):
                 datasets.append(f"eval.datasets=[sketch={root / 'imagenet-sketch'}]")
             found[recipe] = Setup(recipe, paper, f"imagenet/{recipe}", f"imagenet/{recipe}_anchored", 0.2, 0,
                                   (f"data.root={root / 'imagenet'}",), corruption_parameters="imagenet-c",
-                                  c_files=c_files, c_key="eval.c_root", c_bar_files=c_bar, datasets=tuple(datasets),
+                                  c_files=c_files, c_key="eval.c_root", bar_parameters="imagenet-c-bar",
+                                  c_bar_files=c_bar, c_bar_key="eval.c_bar_root", datasets=tuple(datasets),
                                   ood_sets=_ood_sets(root / "ood", ("iSUN", "Textures", "Places365", "NINCO"), notes),
                                   notes=tuple(notes))
         return found

@@ -262,3 +262,22 @@ def test_metrics_of_a_hand_made_evaluation():
         "c_top1_k": 63.0, "ms_k_pooled": 25.0, "ms_blt_pooled": 45.0, "sketch_top1": 30.0, "smece_mean": 0.1,
         "smece_std": 0.02, "auroc_energy": 80.0, "auroc_energy_iSUN": 70.0, "auroc_energy_Textures": 80.0,
         "auroc_energy_Places365": 90.0, "auroc_energy_NINCO": 60.0, "auroc_energy_vision_ood": 80.0})
+
+
+def test_dry_run_reads_the_pre_generated_sets_that_are_there(tmp_path):
+    """With the data layout of docs/reproduce.md present, the paper's files replace the on-the-fly corruptions and
+    every anomaly folder found is evaluated; with it absent, each replacement is printed as a note."""
+    root = tmp_path / "data"
+    for folder in ("imagenet-c", "imagenet-r", "ood/Textures", "ood/NINCO"):
+        (root / folder).mkdir(parents=True)
+    text = reproduce("tab1", "--scale", "imagenet", "--data", root, "--out", tmp_path / "out", "--dry-run").stdout
+    _, evaluate = dry_run_commands(text)[0]
+    values = dict(o.split("=", 1) for o in sets(evaluate))
+    assert values["eval.c_root"] == str(root / "imagenet-c") and values["eval.corruptions"] == "[]"
+    assert values["eval.imagenet_r"] == str(root / "imagenet-r") and "eval.datasets" not in values
+    assert "note: " + str(root / "imagenet-sketch") + " not found: ImageNet-Sketch left out" in text
+    text = reproduce("tab3", "--scale", "imagenet", "--data", root, "--out", tmp_path / "out", "--dry-run").stdout
+    _, evaluate = dry_run_commands(text)[0]
+    assert dict(o.split("=", 1) for o in sets(evaluate))["eval.ood_sets"] == \
+        f"[Textures={root / 'ood/Textures'}, NINCO={root / 'ood/NINCO'}]"
+    assert "no iSUN, Places365 folder" in text and "imagenet-c not found" not in text  # tab3 evaluates no corruption
