@@ -144,7 +144,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment(
         "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
         "Figure 5a", "augmentation",
-        {"tiny": ("geometric", "augmix"), "default": tuple(AUGMENTATIONS)}, ARMS, 2, 12,
+        {"tiny": ("geometric", "augmix", "pixmix"), "default": tuple(AUGMENTATIONS)}, ARMS, 2, 12,
         {"default": SEVERITY_5}, augmentation, setups={"cifar": ("cifar100_resnet18",)}, layout="bars"),
     Experiment(
         "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
