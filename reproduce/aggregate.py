@@ -201,7 +201,7 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
             continue
         rows.append({"run": run.name, "setup": run.setup, "arm": run.arm, "value": run.value, "seed": run.seed,
                      "metrics": metrics_of(json.loads(path.read_text()))})
-    paper = paper_numbers(experiment.name)
+    paper = paper_numbers(experiment.name, experiment.paper)
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["setup"], row["arm"], json.dumps(row["value"])), []).append(row)
@@ -222,7 +222,7 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
     return {"experiment": experiment.name, "title": experiment.title, "source": experiment.source,
             "paper_source": f"{paper['source']}, {experiment.source}",
             "scale": scale, "axis": experiment.axis, "runs": rows, "missing": missing, "summary": summary,
-            "paper": paper, "setups": setup_papers,
+            "paper": paper, "paper_file": f"{experiment.paper}.yaml", "setups": setup_papers,
             "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)"}
 
 
@@ -271,7 +271,7 @@ def markdown(result: dict) -> str:
         keyed: dict[tuple, dict] = {}
         for e in entries:
             keyed.setdefault((e["setup"], e["arm"], json.dumps(e["value"])), {})[e["metric"]] = e["number"]
-        lines += [f"{source} (typed in reproduce/paper_numbers/000.yaml):", "",
+        lines += [f"{source} (typed in reproduce/paper_numbers/{result.get('paper_file', '000.yaml')}):", "",
                   "| setup | arm | " + (f"{axis} | " if axis else "") + " | ".join(label(m) for m in metrics) + " |",
                   "| --- | --- | " + ("--- | " if axis else "") + " | ".join("---:" for _ in metrics) + " |"]
         for (setup, arm, value), numbers in keyed.items():

@@ -55,8 +55,9 @@ class Experiment:
     overrides: Callable[[Setup, str, object], list[str]] = lambda setup, arm, value: []
     arm_values: Callable[[str, tuple], tuple] = lambda arm, values: values  # the values an arm runs at
     setups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per scale; default: the first setup
-    layout: str = "curve"      # aggregate.py: curve (metric against the value), bars, table
+    # how the result is shown (table columns, figure layout): aggregate.VIEWS[name]
     log_x: bool = False
+    paper: str = "000"         # the paper (papers/<paper>_*.txt) and its numbers file paper_numbers/<paper>.yaml
 
     def values_at(self, scale: str) -> tuple:
         return self.values.get(scale, self.values["default"])
@@ -125,18 +126,17 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
         "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
         {"default": Evaluation(references=10, blt=True), "small": Evaluation(severities=(1, 3, 5), references=10, blt=True)},
-        setups={"cifar": ("cifar100_resnet18",)}, layout="bars"),
+        setups={"cifar": ("cifar100_resnet18",)}),
     Experiment(
         "tab1", "generalisation: ID and corruption accuracy per severity on C and C-bar",
         "Table 1 (CIFAR); Tables 2 and 6 (ImageNet)", "", {"default": (None,)}, ARMS, 2, 24,
         {"default": Evaluation(corruptions_bar=True), "imagenet": Evaluation(corruptions_bar=True, datasets=True)},
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18", "cifar100_wrn40_2"),
-                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}, layout="table"),
+                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
     Experiment(
         "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
         ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True, references=10)},
-        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")},
-        layout="bars"),
+        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
     Experiment(
         "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
         {"tiny": (0.0, 1.0), "default": (0.0, 0.25, 0.5, 0.75, 1.0)}, ("masking",), 3, 12,
@@ -145,7 +145,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
         "Figure 5a", "augmentation",
         {"tiny": ("geometric", "augmix", "pixmix"), "default": tuple(AUGMENTATIONS)}, ARMS, 2, 12,
-        {"default": SEVERITY_5}, augmentation, setups={"cifar": ("cifar100_resnet18",)}, layout="bars"),
+        {"default": SEVERITY_5}, augmentation, setups={"cifar": ("cifar100_resnet18",)}),
     Experiment(
         "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
         "label noise (%)", {"tiny": (0, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 2, 8,
@@ -161,7 +161,7 @@ def unknown_experiment(name: str) -> ConfigError:
 
 def experiment_lines() -> str:
     """One line per experiment, for `fastanchor reproduce --help`."""
-    return "experiments:\n" + "\n".join(f"  {e.name:<6} {e.title} (paper 000, {e.source})" for e in EXPERIMENTS.values())
+    return "experiments:\n" + "\n".join(f"  {e.name:<6} {e.title} (paper {e.paper}, {e.source})" for e in EXPERIMENTS.values())
 
 
 AXIS_KEYS = {"|R|": "R", "alpha": "alpha", "augmentation": "", "label noise (%)": "noise"}  # run-name prefixes
