@@ -334,7 +334,7 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                 papers = [(xs[g["value"]], g["paper"][metric]["number"]) for g in mine if metric in g["paper"]]
                 if papers:
                     ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=colours[arm],
-                            label=f"{ARM_LABELS[arm]}, paper")
+                            label=f"{ARM_LABELS[arm]}, paper ({mine[0]['paper_setup']})")
             if experiment_is_log(result):
                 ax.set_xscale("log")
                 ax.set_xticks(list(xs.values()), [f"all ({xs[v]})" if v == WHOLE and (whole or {}).get(setup) else "all" if v == WHOLE else str(v) for v in xs])
@@ -354,7 +354,8 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                             label=ARM_LABELS[arm])
                 papers = [(int(k[-1]), g["paper"][k]["number"]) for k in keys if k in g["paper"]]
                 if papers:
-                    ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=colours[arm], label=f"{ARM_LABELS[arm]}, paper")
+                    ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=colours[arm],
+                            label=f"{ARM_LABELS[arm]}, paper ({g['paper_setup']})")
             ax.set_xlabel("severity")
             ax.set_ylabel(("C-bar" if "cbar" in metric else "C") + " mean top-1 (%)")
             ax.set_xticks(severities or [1])
@@ -387,7 +388,7 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                     number = next((mark(g, tick) for g in mine if mark(g, tick)), None)
                     if number:
                         ax.plot(j + (i - (len(arms) - 1) / 2) * width, number["number"], marker="_", ms=14, mew=2,
-                                color="black", label=once("paper"))
+                                color="black", label=once(f"paper ({next(g['paper_setup'] for g in mine)})"))
             ax.set_xticks(range(len(ticks)), [str(t) if view.plot == "bars_values" else label(t) for t in ticks],
                           rotation=30, ha="right")
             ax.set_ylabel(label(metric) if view.plot == "bars_values" else ylabel)
