@@ -176,6 +176,8 @@ def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
     result = check_result(experiment, out, runs)
     view = VIEWS[experiment]
     assert any(re.fullmatch(p, m) for g in result["summary"] for m in g["metrics"] for p in view.plot_metrics)
+    if experiment == "fig2":  # every protocol on the shift sets too, with its time
+        assert all({"c_top1_k", "c_top1_blt", "ms_k_pooled", "ms_blt_pooled"} <= set(g["metrics"]) for g in result["summary"])
     record = tmp_path / "record" / experiment
     assert json.loads((record / "result.json").read_text())["runs"] == result["runs"]
     readme = (record / "README.md").read_text()
