@@ -19,7 +19,6 @@ said so in the plan's notes); a missing ImageNet-R, Sketch or OOD folder is left
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +64,7 @@ class Setup:
     corruptions: tuple[str, ...] = ()  # the C corruptions on the fly (empty: every one of the parameter set)
     c_files: str = ""           # pre-generated C set ('' : on the fly); key eval.cifar_c_root or eval.c_root
     c_key: str = "eval.cifar_c_root"
-    bar_parameters: str = "cifar-10-c-bar"  # C-bar strengths on the fly (where this build has them)
+    bar_parameters: str = "cifar-10-c-bar"  # eval.corruption_bar_parameters of the C-bar corruptions on the fly
     c_bar_files: str = ""       # pre-generated C-bar set ('' : eval.corruptions_bar on the fly)
     c_bar_key: str = "eval.cifar_c_bar_root"
     datasets: tuple[str, ...] = ()  # eval overrides adding ImageNet-R / Sketch
@@ -83,7 +82,7 @@ class Setup:
 
     def evaluation(self, ev: Evaluation) -> list[str]:
         """`fastanchor evaluate --set` overrides of this setup for `ev` (seed and device are the run's)."""
-        from fastanchor.pipeline.corruptions import CORRUPTIONS  # numpy, scipy: not for --help
+        from fastanchor.pipeline.corruptions import BAR_CORRUPTIONS, CORRUPTIONS  # numpy, scipy: not for --help
 
         severities = (ev.severities[0], ev.severities[-1]) if self.few else ev.severities
         names = ("gaussian_noise", "contrast") if self.few else self.corruptions or CORRUPTIONS[self.corruption_parameters]
@@ -95,12 +94,12 @@ class Setup:
             s += [f"eval.corruption_parameters={self.corruption_parameters}", f"eval.corruptions={flow(names)}"]
         else:
             s += ["eval.corruptions=[]"]
-        parameters, bar = bar_corruptions(self.bar_parameters)
+        bar = BAR_CORRUPTIONS[self.bar_parameters]
         if ev.corruptions_bar and self.c_bar_files:
             s += [f"{self.c_bar_key}={self.c_bar_files}", "eval.corruptions_bar=[]"]
         elif ev.corruptions_bar:
-            s += ([f"eval.corruption_bar_parameters={parameters}"] if has_option("eval.corruption_bar_parameters") else [])
-            s += [f"eval.corruptions_bar={flow(bar[:1] if self.few else bar)}"]
+            s += [f"eval.corruption_bar_parameters={self.bar_parameters}",
+                  f"eval.corruptions_bar={flow(bar[:1] if self.few else bar)}"]
         else:
             s += ["eval.corruptions_bar=[]"]
         if ev.datasets:
@@ -110,30 +109,6 @@ class Setup:
         else:
             s += ["data.ood_split="]
         return s
-
-
-def has_option(key: str) -> bool:
-    """Whether this build's config declares `section.key` (options other branches add are used where present)."""
-    from fastanchor.trainer.config import Config
-
-    section, _, name = key.partition(".")
-    return name in {f.name for f in dataclasses.fields(type(getattr(Config(), section)))}
-
-
-def bar_corruptions(wanted: str) -> tuple[str, tuple[str, ...]]:
-    """The C-bar parameter set used for `wanted` and its corruptions: CIFAR-10-C-bar's strengths where this build
-    has them (eval.corruption_bar_parameters), else ImageNet-C-bar's, the only on-the-fly set before them."""
-    from fastanchor.pipeline import corruptions
-
-    sets = getattr(corruptions, "BAR_CORRUPTIONS", {"imagenet-c-bar": corruptions.IMAGENET_C_BAR_CORRUPTIONS})
-    parameters = wanted if wanted in sets else "imagenet-c-bar"
-    return parameters, tuple(sets[parameters])
-
-
-def bar_note(wanted: str) -> tuple[tuple[str, str], ...]:
-    parameters, _ = bar_corruptions(wanted)
-    return () if parameters == wanted else (("cbar", f"this build has no {wanted} corruptions (the data-options branch adds them): "
-                                           f"C-bar on the fly at {parameters} strengths"),)
 
 
 def _existing(path: Path, notes: list, instead: str, kind: str) -> str:
@@ -164,8 +139,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
     if scale == "small":
         train = (f"data.root={data or SMALL_DATA}", "anchor.mask_level=batch")
         return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, train,
-                              corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True,
-                              notes=bar_note("cifar-10-c-bar"))}
+                              corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True)}
     root = Path(data)
     found: dict[str, Setup] = {}
     if scale == "cifar":
@@ -176,10 +150,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
             name = f"cifar{classes}_{model}"
             train = (f"data.cifar_dir={root / pickles}", f"data.root={root / f'cifar{classes}'}")
             c_files = _existing(root / f"CIFAR-{classes}-C", notes, "CIFAR-C-strength (32 px) corruptions on the fly", "c")
-            c_bar = ""
-            if has_option("eval.cifar_c_bar_root"):
-                c_bar = _existing(root / f"CIFAR-{classes}-C-bar", notes, "C-bar corruptions on the fly", "cbar")
-            notes += [n for n in bar_note("cifar-10-c-bar") if n not in notes]
+            c_bar = _existing(root / f"CIFAR-{classes}-C-bar", notes, "CIFAR-10-C-bar's corruptions on the fly", "cbar")
             found[name] = Setup(name, paper, f"cifar/{name}", f"cifar/{name}_anchored", 0.25, 50_000, train,
                                 c_files=c_files, c_bar_files=c_bar,
                                 ood_sets=_ood_sets(root / "ood", ("textures", "svhn", "isun", "places365"), notes),

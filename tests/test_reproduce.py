@@ -22,22 +22,7 @@ from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan
 from fastanchor.reproduce.record import regenerate
 from fastanchor.reproduce.scales import TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
-from fastanchor.trainer.config import Config, load_config
-
-PENDING = ("data.label_noise", "augment.pixmix")  # the data-options branch adds them: commands setting them parse once merged
-
-
-def on_this_branch(key: str) -> bool:
-    section, _, name = key.partition(".")
-    return name in {f.name for f in dataclasses.fields(type(getattr(Config(), section)))}
-
-
-def needs(experiment: str) -> list[str]:
-    """The options not on this branch that an experiment's tiny runs set."""
-    runs, _ = plan(EXPERIMENTS[experiment], "tiny", "", "out")
-    keys = {o.split("=")[0] for r in runs for o in r.train}
-    return [k for k in PENDING if k in keys and not on_this_branch(k)]
-
+from fastanchor.trainer.config import load_config
 
 def reproduce(*args):
     result = run_main("reproduce", *map(str, args))
@@ -96,8 +81,7 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
         assert Path(evaluate[3]) == out / experiment / values["train.run_name"] / "final.pt"
         assert values["train.out_dir"] == str(out / experiment)
         seeds_seen.add(int(values["train.seed"]))
-        pending = [o for o in overrides if o.split("=")[0] in PENDING and not on_this_branch(o.split("=")[0])]
-        config = load_config(train[3], [o for o in overrides if o not in pending])  # raises on anything that does not parse
+        config = load_config(train[3], overrides)  # raises on anything that does not parse
         assert config.train.epochs >= 100  # the paper's schedules, not a shortened one
         assert str(config.data.root).startswith(str(tmp_path / "data"))
     assert seeds_seen == set(range(EXPERIMENTS[experiment].seeds))
@@ -164,10 +148,6 @@ HEAVIER = {"fig1", "fig5a", "fig5b"}  # five or six tiny runs each
 @pytest.mark.parametrize("experiment", [pytest.param(e, marks=pytest.mark.slow) if e in HEAVIER else e
                                         for e in EXPERIMENTS])
 def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
-    missing = needs(experiment)
-    if missing:
-        pytest.skip(f"{', '.join(missing)}: options of the data-options branch, not on this one (the dry-run test "
-                    "parses the rest of these commands)")
     out = tmp_path / "out"
     stdout = reproduce(experiment, "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress",
                        "--record", tmp_path / "record").stdout
