@@ -47,7 +47,7 @@ from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
 from fastanchor.trainer.build import ensure_dataset, split_index
-from fastanchor.trainer.config import Config, load_config, set_value, validate
+from fastanchor.trainer.config import Config, set_value, with_overrides
 from fastanchor.trainer.safety.evaluate import CONVENTIONS, load_for_inference, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct
@@ -177,16 +177,14 @@ def config_knows(config: Config, dotted: str) -> bool:
 
 
 def trainer_config(base: Config, arm: str, seed: int, options: FidelityOptions) -> Config:
-    config = copy.deepcopy(base)
     alpha = TRAINER_ARMS[arm]
-    set_value(config, "anchor.enabled", alpha is not None)
+    values = {"anchor.enabled": alpha is not None}
     if alpha is not None and alpha != "recipe":
-        set_value(config, "anchor.alpha", alpha)
-    if config_knows(config, "anchor.masked_batchnorm"):
-        set_value(config, "anchor.masked_batchnorm", options.masked_batchnorm)
-    set_value(config, "train.seed", seed)
-    validate(config)
-    return config
+        values["anchor.alpha"] = alpha
+    if config_knows(base, "anchor.masked_batchnorm"):
+        values["anchor.masked_batchnorm"] = options.masked_batchnorm
+    values["train.seed"] = seed
+    return with_overrides(copy.deepcopy(base), values=values)
 
 
 UNSUPPORTED_BY_CONTROL = {  # setting: the value the control implements
@@ -533,7 +531,7 @@ def write_json(path: Path, value: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 def base_config(options: FidelityOptions) -> Config:
-    config = load_config(options.config, options.set)
+    config = options.load()
     extra = {}
     if options.data:
         root = Path(options.data)
@@ -550,10 +548,7 @@ def base_config(options: FidelityOptions) -> Config:
         extra["train.device"] = options.device
     if options.threads:
         extra["train.threads"] = options.threads
-    for key, value in extra.items():
-        set_value(config, key, value)
-    validate(config)
-    return config
+    return with_overrides(config, values=extra)
 
 
 def run_fidelity_benchmark(options: FidelityOptions, command: str) -> dict:

@@ -380,8 +380,16 @@ def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = ())
         if not isinstance(about, dict):
             raise ConfigError(f"recipe '{recipe}': about = {about!r}: expected a mapping (title, aims_at, source, ...)")
         apply_mapping(config, mapping, str(resolve_recipe(recipe)))
+    return with_overrides(config, overrides)
+
+
+def with_overrides(config: Config, overrides: typing.Sequence[str] = (), values: dict | None = None) -> Config:
+    """`config` changed by `section.key=value` texts (--set), then by already-parsed `values`, then validated:
+    the one way every command turns a recipe or a checkpoint's config into the config it runs."""
     for text in overrides:
         set_value(config, *parse_override(text))
+    for key, value in (values or {}).items():
+        set_value(config, key, value)
     validate(config)
     return config
 
