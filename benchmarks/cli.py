@@ -21,7 +21,7 @@ BENCHMARKS = {
     "e2e": (opts.EndToEndOptions, "end_to_end:run_end_to_end_benchmark",
             "loader + op + step, standard vs anchored vs the naive second-loader design"),
     "fidelity": (opts.FidelityOptions, "fidelity:run_fidelity_benchmark",
-                 "accuracy, calibration, corruption and OOD metrics of the trainer's arms against a plain-torch control"),
+                 "accuracy, calibration, corruption and OOD metrics of the trainer's arms vs a plain-torch control"),
     "data": (opts.DataOptions, "cli:run_data",
              "write the ImageNet-shaped synthetic JPEG dataset (sizes and resolutions as ImageNet's)"),
     "readme": (opts.ReadmeOptions, "cli:run_readme",

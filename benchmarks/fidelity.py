@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastanchor.benchmarks.common import apply_threads, resolve_device
 from fastanchor.benchmarks.fidelity_control import ControlSettings, train_control
@@ -43,6 +42,7 @@ from fastanchor.benchmarks.options import FidelityOptions, names_list
 from fastanchor.benchmarks.results import device_tag, environment, git_commit
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
@@ -88,7 +88,7 @@ class Decoded:
 
 def decode(dataset, desc: str, progress: bool) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = [], []
-    for i in tqdm(range(len(dataset)), desc=desc, disable=not progress, leave=False, unit="img"):
+    for i in progress_bar(range(len(dataset)), desc=desc, enabled=progress, leave=False, unit="img"):
         image, label = dataset[i]
         images.append(image)
         labels.append(label)
@@ -117,7 +117,8 @@ def decode_data(config: Config, progress: bool) -> Decoded:
             dataset = DecodedImages(val_index, transform, Corruption(name, severity, e.seed, e.corruption_parameters))
             corrupted[f"{name}@{severity}"] = decode(dataset, f"corrupt {name}@{severity}", progress)[0]
     ood_root = Path(d.root) / d.ood_split if d.ood_split else None
-    ood_index = scan_image_folder(ood_root) if ood_root is not None and ood_root.is_dir() else None
+    ood_index = (scan_image_folder(ood_root, allow_empty_classes=d.allow_empty_classes)
+                 if ood_root is not None and ood_root.is_dir() else None)
     ood_images = decode(DecodedImages(ood_index, transform), "decode ood", progress)[0] if ood_index else None
     fingerprint = {"root": str(Path(d.root).resolve()), "train": len(train_index), "val": len(val_index),
                    "ood": len(ood_index) if ood_index else 0, "classes": len(train_index.classes),
@@ -139,7 +140,7 @@ def evaluate_arm(make_predict, data: Decoded, *, seed: int, batch_size: int, pos
     seeded with `seed`) per set, as `fastanchor evaluate` draws them."""
     sets = [("id", data.val_images), *data.corrupted.items()] + ([("ood", data.ood_images)] if data.ood_images is not None else [])
     logits, started, seen = {}, time.perf_counter(), 0
-    bar = tqdm(sets, desc=f"evaluate {desc}", disable=not progress, leave=False, unit="set")
+    bar = progress_bar(sets, desc=f"evaluate {desc}", enabled=progress, leave=False, unit="set")
     for name, images in bar:
         logits[name] = logits_over(make_predict(seed), images, batch_size)
         seen += len(images)

@@ -14,11 +14,11 @@ Adding a command is one dataclass and one table line:
     class ReproduceOptions(OnDevice):            # e.g. in reproduce/options.py (torch-free: --help stays fast)
         experiment: str = option("fig1", "experiment to run")
 
-    def run_reproduce(options: ReproduceOptions, command: str) -> int | None: ...   # command: the line as typed
+    def run_reproduce(options: ReproduceOptions, command: str) -> None: ...   # command: the line as typed
 
     "reproduce": (ReproduceOptions, "reproduce.cli:run_reproduce", "reproduce the paper's figures and tables"),
 
-The function returns the exit status (None: 0); a FastAnchorError it raises ends the command with one
+An int the function returns is the exit status (anything else: 0); a FastAnchorError it raises ends the command with one
 line on stderr and exit status 2, as does a usage error. The commands' functions are cli/commands.py;
 the applications `fastanchor demo` and `fastanchor recipes` live beside it (demo.py, recipes.py). Entry
 points: the console script `fastanchor = fastanchor.cli:main`, `python -m fastanchor`
@@ -74,16 +74,18 @@ def epilog(cls: type) -> str | None:
 
 
 def add_commands(subparsers, table: dict, package: str) -> None:
-    """A parser per entry of `table`; an entry whose options are a table is a group (`fastanchor bench WHAT`)."""
+    """A parser per entry of `table` (targets under the module path `package`); an entry whose options are a
+    table is a group (`fastanchor bench WHAT`), its targets under the package its target names."""
     for name, (options, target, help_text) in table.items():
+        target = f"{package}.{target}" if package else target
         parser = subparsers.add_parser(name, help=help_text, description=help_text,
                                        formatter_class=argparse.RawDescriptionHelpFormatter,
                                        epilog=None if isinstance(options, dict) else epilog(options))
         if isinstance(options, dict):
-            add_commands(parser.add_subparsers(dest=name, required=True, metavar="WHAT"), options, f"{package}.{target}")
+            add_commands(parser.add_subparsers(dest=name, required=True, metavar="WHAT"), options, target)
         else:
             add_options(parser, options)
-            parser.set_defaults(entry=(options, f"{package}.{target}"))
+            parser.set_defaults(entry=(options, target))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     options, target = args.entry
     module, function = target.split(":")
     status = getattr(importlib.import_module(module), function)(options_from(options, args), "fastanchor " + shlex.join(argv))
-    return status or 0
+    return status if isinstance(status, int) else 0  # a benchmark returns its result
 
 
 def one_line(error: BaseException) -> str:

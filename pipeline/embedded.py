@@ -469,12 +469,12 @@ def _write_images(tmp: Path, spec: EmbeddedSpec, jobs: list[tuple[str, int, int]
                   workers: int | None, desc: str) -> dict[str, str]:
     """Render, encode and write every job; return {relpath: sha256}. Threads suffice: Pillow's
     resize and JPEG encoder and numpy release the GIL, and they hide the file-system latency."""
-    from tqdm.auto import tqdm
+    from fastanchor.progress import progress_bar
 
     if workers is None:
         workers = 1 if spec.image_size < 96 else min(8, os.cpu_count() or 1)
     digests: dict[str, str] = {}
-    with tqdm(total=len(jobs), unit="img", desc=desc, disable=not progress) as bar:
+    with progress_bar(total=len(jobs), unit="img", desc=desc, enabled=progress) as bar:
         if workers <= 1:
             for job in jobs:
                 rel, digest = _write_image(tmp, spec, job)

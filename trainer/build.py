@@ -119,7 +119,7 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
         recorded = recorded_index(split_beton_path(data, root), root, classes)
         if recorded is not None:
             return recorded
-    return scan_image_folder(root, classes)
+    return scan_image_folder(root, classes, data.allow_empty_classes)
 
 
 def beton_folder(data: DataConfig) -> Path:

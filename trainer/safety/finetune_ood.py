@@ -41,10 +41,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
-from tqdm import tqdm
 
 from fastanchor.errors import ConfigError, DataError, TrainingError
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage, to_device_batch
 from fastanchor.pipeline.imagefolder import scan_image_folder
@@ -85,7 +85,7 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     k = e.num_references if anchored else 1
     val_index = split_index(d, d.val_split, tuple(state["classes"]))
-    ood_index = scan_image_folder(Path(d.root) / d.ood_split)
+    ood_index = scan_image_folder(Path(d.root) / d.ood_split, allow_empty_classes=d.allow_empty_classes)
 
     def run(index, desc, references_per_image=1):
         return collect(model, eval_loader(d, index, device, progress=progress), anchored=anchored, references=references,
@@ -207,7 +207,7 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
 
     records, started, seen = [], time.perf_counter(), 0
     batches = endless(loader)
-    bar = tqdm(range(f.steps), desc="finetune-ood", disable=not progress, unit="step", dynamic_ncols=True)
+    bar = progress_bar(range(f.steps), desc="finetune-ood", enabled=progress, unit="step")
     with finetune_mode(model, f.batchnorm):
         for step in bar:
             images, labels = to_device_batch(*next(batches), device)

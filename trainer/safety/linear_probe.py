@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
 from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.progress import progress_bar
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
 from fastanchor.trainer.safety.evaluate import load_for_inference
@@ -72,7 +72,7 @@ def features_of(extract, loader, *, anchored: bool, pool: torch.Tensor | None, v
     (and, with `masked_too`, [0, x - r] with the same r).
     """
     plain, masked, labels = [], [], []
-    bar = tqdm(loader, desc=desc, leave=False, disable=not progress, unit="batch")
+    bar = progress_bar(loader, desc=desc, leave=False, enabled=progress, unit="batch")
     started, seen = time.perf_counter(), 0
     for images, batch_labels in bar:
         labels.append(batch_labels.cpu())
@@ -204,7 +204,7 @@ def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") 
     model.requires_grad_(False)
     anchored, d = config.anchor.enabled, config.data
     extract, described = feature_extractor(model)
-    train_index = scan_image_folder(spec.train_root or Path(d.root) / d.train_split)
+    train_index = scan_image_folder(spec.train_root or Path(d.root) / d.train_split, allow_empty_classes=d.allow_empty_classes)
     val_index = scan_image_folder(spec.val_root or Path(d.root) / d.val_split, train_index.classes)
     if spec.shift_root:
         shift_index, corruption = scan_image_folder(spec.shift_root, train_index.classes), None

@@ -55,6 +55,6 @@ class RobustnessSpec(Overrides):
     corruptions: list = option([], "ImageNet-C corruption of the ID set as OOD set (repeatable; default: eval.corruptions)",
                                flag="--corruption", metavar="NAME")
     severity: int = option(3, "corruption severity 1-5")
-    baseline: str = option(DEFAULT_BASELINE, "standard-runs, imagenet-v2, imagenet-sketch, imagenet-r, "
-                                             "imagenet-v2-andreassen, testbed:FILE.csv or line:A,B")
+    baseline: str = option(DEFAULT_BASELINE, "standard-runs, a shipped fit (imagenet-v2, ...: docs/evaluation.md), "
+                                             "testbed:FILE.csv or line:A,B")
     transform: str = option("logit", "accuracy transform of the baseline fit: logit or probit")
