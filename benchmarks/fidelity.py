@@ -48,6 +48,7 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
 from fastanchor.trainer.build import ensure_dataset, split_index
 from fastanchor.trainer.config import Config, set_value, with_overrides
+from fastanchor.trainer.flags import DEFAULT_RECIPE
 from fastanchor.trainer.safety.evaluate import CONVENTIONS, load_for_inference, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct
@@ -552,6 +553,13 @@ def base_config(options: FidelityOptions) -> Config:
     return with_overrides(config, values=extra)
 
 
+def recorded_options(options: FidelityOptions) -> dict:
+    """The options as result files record them: the recipe by name and the overrides under "set"."""
+    recorded = {**dataclasses.asdict(options), "config": options.config or DEFAULT_RECIPE}
+    recorded["set"] = recorded.pop("overrides")
+    return recorded
+
+
 def run_fidelity_benchmark(options: FidelityOptions, command: str) -> dict:
     options.validate()
     apply_threads(options)
@@ -610,7 +618,7 @@ def run_fidelity_benchmark(options: FidelityOptions, command: str) -> dict:
     result = {
         "schema": SCHEMA, "benchmark": "fidelity", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command, "git_commit": git_commit(), "environment": env,
-        "config": {**dataclasses.asdict(options), "recipe": config.to_dict()},
+        "config": {**recorded_options(options), "recipe": config.to_dict()},
         "data": data.fingerprint, "epochs": config.train.epochs, "arms": arms, "seeds": list(range(options.seeds)),
         "masked_batchnorm": options.masked_batchnorm if masked_bn_known else "not a config key (trainer as it is)",
         "highest_severity": first.get("highest_severity"), "spread": SPREAD,

@@ -4,7 +4,7 @@
     python -m fastanchor.benchmarks.house_stats --rev main~5  # any git revision of it (read with `git show`)
     python -m fastanchor.benchmarks.house_stats --rev A --rev B   # side by side, with the change
 
-Lines are physical lines of the .py files (blank lines and comments included); a function's length is
+The working tree is what git tracks plus new files it does not ignore. Lines are physical lines of the .py files (blank lines and comments included); a function's length is
 from its `def` (decorators left out) to its last line, as `ast` reads it. Standard library only.
 """
 
@@ -22,9 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fas
 
 def python_files(rev: str | None) -> dict[str, str]:
     """Path -> source of every .py file of the working tree (rev None) or of a git revision."""
-    if rev is None:
-        return {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(ROOT.rglob("*.py"))
-                if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)}
+    if rev is None:  # the files git tracks and the new ones it does not ignore; every .py file outside a checkout
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard"],
+                                capture_output=True, text=True)
+        paths = listed.stdout.split() if listed.returncode == 0 else [
+            p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+            if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+        return {path: (ROOT / path).read_text() for path in sorted(paths) if path.endswith(".py") and (ROOT / path).is_file()}
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev], check=True,
                             capture_output=True, text=True).stdout.split()
     return {path: subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,

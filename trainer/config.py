@@ -147,7 +147,7 @@ class TrainConfig:
     out_dir: str = option("runs", "directory under which the run directory is created")
     run_name: str = option("", "run directory name under out_dir (default: <model>-<standard|anchored>-<time>)")
     log_interval: int = option(20, "steps between metric lines in metrics.jsonl (and between nan/inf checks of the loss)")
-    progress: bool = option(True, "show progress bars with images/s")
+    progress: bool = option(True, "show progress with images/s: bars on a terminal, plain lines in a file or a pipe")
     tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (needs the tensorboard extra)")
     checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch)")
     keep_checkpoints: int = option(0, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
