@@ -47,7 +47,7 @@ COMMANDS = {
     "finetune-ood": (o.FinetuneOODOptions, "cli.commands:finetune_ood",
                      "sharpness-aware OOD fine-tuning (SFT) of a checkpoint, evaluated before and after"),
     "robustness": (o.RobustnessOptions, "cli.commands:robustness",
-                   "effective robustness over training: every per-epoch checkpoint on an ID and an OOD set"),
+                   "effective robustness over training: every checkpoint on an ID and an OOD set, ER per checkpoint"),
     "linear-probe": (o.LinearProbeOptions, "cli.commands:linear_probe",
                      "linear probe on the frozen backbone (standard, or anchored with masking), ID and shifted"),
     "report": (o.ReportOptions, "cli.commands:report", "one HTML page and a Markdown twin comparing runs side by side"),

@@ -81,7 +81,7 @@ def robustness(options: o.RobustnessOptions, command: str) -> None:
     runs, chart = robustness_over_training([Path(r) for r in options.runs], options, options.device,
                                            Path(options.plot) if options.plot else None)
     for run in runs:
-        print(f"{run['run']}: " + ", ".join(f"epoch {e['epoch']} ER {round(e['effective_robustness'], 2) + 0.0:+.2f} pp"
+        print(f"{run['run']}: " + ", ".join(f"epoch {e['epoch']:g} ER {round(e['effective_robustness'], 2) + 0.0:+.2f} pp"
                                             for e in run["epochs"]))
     print(f"baseline {runs[0]['baseline']['name']}: a = {runs[0]['baseline']['a']:.4f}, b = {runs[0]['baseline']['b']:.4f}; "
           f"results in <run>/robustness_over_training.json, chart {chart}")

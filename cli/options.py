@@ -42,7 +42,7 @@ Writes finetuned.pt, summary.json, summary.md and metrics.jsonl into --out."""
 class RobustnessOptions(RobustnessSpec, OnDevice):
     """--set accepts data.* and eval.* options and train.progress; the rest come from the checkpoints."""
 
-    runs: list = option([], "run directory with checkpoints/epoch_XXX.pt (repeatable: all runs on one chart)",
+    runs: list = option([], "run directory with checkpoints/ (repeatable: standard and anchored runs on one chart)",
                         flag="--run", metavar="RUN_DIR", required=True)
     plot: str = option("", "chart path ('': robustness_over_training.png in the run, or in the runs' parent)")
 

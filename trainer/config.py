@@ -97,6 +97,7 @@ class ModelConfig:
     pretrained: bool = option(False, "start from pretrained 3-channel weights (both halves of the widened first layer get them)")
     drop_rate: float = option(0.0, "dropout before the classifier (timm models)")
     blurpool: bool = option(False, "anti-aliased downsampling (BlurPool, timm's aa_layer) for timm ResNets")
+    init_checkpoint: str = option("", "start from these weights: a fastanchor checkpoint or a state_dict file ('' for none)")
 
 
 @dataclass
@@ -110,7 +111,7 @@ class AnchorConfig:
     references: str = option("derangement", "training reference source: in-batch derangement, a bank of recent samples, or a fixed set", choices=("derangement", "bank", "fixed"))
     bank_size: int = option(1024, "capacity of the device-resident reference bank (references: bank)")
     fixed_size: int = option(1000, "size of the fixed training reference set (references: fixed)")
-    inference_references: int = option(256, "training images kept (eval-decoded) as the inference reference set, saved in every checkpoint")
+    inference_references: int = option(256, "cap of the inference reference set saved in checkpoints: R itself up to this many, else a sample")
 
 
 @dataclass
@@ -155,6 +156,7 @@ class TrainConfig:
     deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off)")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes (SyncBatchNorm; torchrun on CUDA)")
     max_steps: int = option(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch)")
+    freeze_backbone: bool = option(False, "train the classifier only; norm layers elsewhere stay in eval mode (last-layer training)")
 
 
 @dataclass
@@ -163,10 +165,12 @@ class EvalConfig:
     corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split")
     corruption_parameters: str = option("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
     severities: list = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
-    num_references: int = option(5, "K references per test sample for the mean prediction and the std score (anchored models)")
+    num_references: int = option(10, "K references per test sample for the mean prediction and the std score (anchored models)")
+    ood_references: int = option(1, "references per sample behind the anomaly scores: 1 (the paper) or K > 1 (mean logits)")
     seed: int = option(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
     recalibrate_bn: int = option(0, "re-estimate BatchNorm stats on this many unmasked training batches before evaluating (0: as saved)")
-    blt: bool = option(True, "also evaluate bilinear transduction on the validation split (anchored models)")
+    blt: bool = option(True, "also evaluate bilinear transduction (anchored models), on the sets eval.blt_sets names")
+    blt_sets: str = option("all", "sets BLT runs on: the validation split only (id) or it and every shift set (all)", choices=("id", "all"))
     blt_candidates: int = option(50, "BLT: candidate references searched per batch (a random subset of the inference reference set)")
     blt_residuals: int = option(1000, "BLT: training residuals r_a - r_b compared against, drawn from pairs of the inference reference set")
     c_root: str = option("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
@@ -418,6 +422,9 @@ def validate(config: Config) -> None:
     _check(0.0 <= a.alpha <= 1.0, f"anchor.alpha = {a.alpha}: expected a probability in [0, 1]")
     _check(not (a.first_layer == "fresh" and config.model.pretrained),
            "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
+    _check(not (config.model.init_checkpoint and config.model.pretrained),
+           "model.init_checkpoint with model.pretrained = true: the checkpoint's weights would replace the pretrained ones; "
+           "set model.pretrained=false")
     _check(a.bank_size >= 1, f"anchor.bank_size = {a.bank_size}: expected >= 1")
     _check(a.fixed_size >= 1, f"anchor.fixed_size = {a.fixed_size}: expected >= 1")
     _check(a.inference_references >= 1, f"anchor.inference_references = {a.inference_references}: expected >= 1")
@@ -472,6 +479,7 @@ def validate(config: Config) -> None:
            f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")
     _check(all(isinstance(s, int) and 1 <= s <= 5 for s in e.severities), f"eval.severities = {e.severities}: expected integers 1 to 5")
     _check(e.num_references >= 1, f"eval.num_references = {e.num_references}: expected >= 1")
+    _check(e.ood_references >= 1, f"eval.ood_references = {e.ood_references}: expected >= 1")
     f = config.finetune_ood
     _check(f.steps >= 1, f"finetune_ood.steps = {f.steps}: expected >= 1")
     _check(f.lr > 0, f"finetune_ood.lr = {f.lr}: expected > 0")

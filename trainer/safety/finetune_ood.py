@@ -52,7 +52,8 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import eval_loader, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.safety.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
+from fastanchor.trainer.safety.evaluate import (CONVENTIONS, accuracy, checkpoint_references, collect, load_for_inference,
+                                                ood_scores, rejection_metrics)
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
 from fastanchor.trainer.safety.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
 from fastanchor.trainer.build import amp_dtype, resolve_device, seed_everything
@@ -78,12 +79,15 @@ def jigsaw_grids(config: Config) -> list[int]:
 def safety_metrics(model, config: Config, state: dict, device: torch.device, *, label: str, progress: bool) -> dict:
     """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit): an eval.json-shaped dict.
 
-    Anchored models: accuracy with one random reference per image, scores over K =
-    eval.num_references references (plus the std score), as `fastanchor evaluate` does.
+    Anchored models: accuracy with one random reference per image (and the mean over K = eval.num_references),
+    scores by eval.ood_references references per image (one, the paper's, by default), the std score from the
+    spread over K references, as `fastanchor evaluate` does.
     """
     anchored, e, d = config.anchor.enabled, config.eval, config.data
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     k = e.num_references if anchored else 1
+    ood_k = e.ood_references if anchored else 1
+    std_k = ood_k if ood_k > 1 else k
     val_index = split_index(d, d.val_split, tuple(state["classes"]))
     ood_index = scan_image_folder(Path(d.root) / d.ood_split, allow_empty_classes=d.allow_empty_classes)
 
@@ -92,16 +96,23 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
                        num_references=references_per_image, seed=e.seed, desc=f"{label}: {desc}", progress=progress)
 
     model.eval()
-    clean = run(val_index, "ID")
-    clean_k = run(val_index, f"ID K={k}", k) if k > 1 else clean
-    ood = run(ood_index, f"OOD K={k}", k)
-    with_std = anchored and k > 1
-    id_scores = ood_scores(clean_k["logits"], clean_k["std"] if with_std else None)
-    scores = ood_scores(ood["logits"], ood["std"] if with_std else None)
+    clean = {1: run(val_index, "ID")}
+    ood = {}
+    for count in (k, ood_k, std_k):
+        if count not in clean:
+            clean[count] = run(val_index, f"ID K={count}", count)
+    for count in dict.fromkeys((ood_k, std_k)):
+        ood[count] = run(ood_index, f"OOD K={count}", count)
+    with_std = anchored and std_k > 1
+    id_scores = ood_scores(clean[ood_k]["logits"], clean[std_k]["std"] if with_std else None)
+    scores = ood_scores(ood[ood_k]["logits"], ood[std_k]["std"] if with_std else None)
     per_score = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
+    protocol = "one_reference" if ood_k == 1 else f"k{ood_k}"
     return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
-            "id": {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"]},
-            "ood": {"convention": CONVENTION, "positive": "id",
+            "references": checkpoint_references(state),
+            "id": {**accuracy(clean[1]), f"top1_k{k}": accuracy(clean[k])["top1"]},
+            "ood": {"convention": CONVENTION, "positive": "id", "protocol": protocol,
+                    "score_protocols": {name: (f"k{std_k}" if name == "anchored_std" else protocol) for name in per_score},
                     "auroc": {name: values["auroc"] for name, values in per_score.items()},
                     "sets": {d.ood_split: per_score}}}
 
@@ -253,6 +264,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
                 "ood_distance": "KL(U || softmax(logits))", **dataclasses.asdict(f)}
     summary = {"before": before, "after": after, "finetune_ood": settings}
     save_checkpoint(finetuned, {**{key: state[key] for key in ("classes", "epoch", "step", "reference_images")},
+                                "reference_origin": state.get("reference_origin"),
                                 "config": config.to_dict(), "model": model.state_dict(), "metrics": after,
                                 "finetuned_from": str(path)})
     table = markdown_table(before, after)
@@ -260,8 +272,9 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
             f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
             f"jigsaw grids {settings['jigsaw_grids_used']}, BatchNorm {f.batchnorm}; ID: '{d.val_split}' "
             f"({config.data.root}), OOD: '{d.ood_split}'.\n\n{table}\n\n{CONVENTION}."
-            + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
-               f"references." if config.anchor.enabled else "") + "\n")
+            + (f" Anchored model: top-1 with one random reference per image; anomaly scores with "
+               f"{config.eval.ood_references} reference(s) per image, the std score over K = {config.eval.num_references}."
+               if config.anchor.enabled else "") + "\n")
     atomic_write_bytes(out / "metrics.jsonl", lambda h: h.write("".join(json.dumps(r) + "\n" for r in records).encode()))
     atomic_write_bytes(out / "summary.md", lambda h: h.write(text.encode()))
     atomic_write_bytes(out / "summary.json", lambda h: h.write(json.dumps(summary, indent=2).encode()))

@@ -11,7 +11,7 @@ from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import option
 from fastanchor.trainer.flags import Overrides
 
-DEFAULT_BASELINE = "standard-runs"
+DEFAULT_BASELINE = "auto"
 
 
 @dataclass
@@ -26,7 +26,7 @@ class ProbeSpec(Overrides):
     alpha: float = option(0.4, "reference-masking probability of the anchored probe (the paper's: 0.4)")
     views: int = option(4, "reference draws per training image for the anchored probe")
     l2: float = option(1e-3, "weight penalty l2/2 ||W||^2 added to the mean loss")
-    reference_pool: int = option(1000, "training images the anchored probe draws references from")
+    reference_pool: int = option(1000, "references drawn from --train-root when it is not the run's own")
     seed: int = option(0, "seed of reference draws and corruptions")
 
     def check(self) -> None:
@@ -52,9 +52,9 @@ class RobustnessSpec(Overrides):
 
     id_root: str = option("", "ID ImageFolder ('': the run's data.root/data.val_split)")
     ood_root: str = option("", "OOD ImageFolder with the training classes, or some ('': the ID set corrupted)")
-    corruptions: list = option([], "ImageNet-C corruption of the ID set as OOD set (repeatable; default: eval.corruptions)",
+    corruptions: list = option([], "corruption of the ID set as OOD set, at eval.corruption_parameters (repeatable)",
                                flag="--corruption", metavar="NAME")
     severity: int = option(3, "corruption severity 1-5")
-    baseline: str = option(DEFAULT_BASELINE, "standard-runs, a shipped fit (imagenet-v2, ...: docs/evaluation.md), "
-                                             "testbed:FILE.csv or line:A,B")
+    baseline: str = option(DEFAULT_BASELINE, "auto (published line, else testbed fit), fit-to-given-runs, testbed:FILE, "
+                                             "line:A,B")
     transform: str = option("logit", "accuracy transform of the baseline fit: logit or probit")
