@@ -35,6 +35,7 @@ import sys
 from fastanchor.benchmarks.cli import BENCHMARKS
 from fastanchor.cli import options as o
 from fastanchor.errors import FastAnchorError
+from fastanchor.reproduce.options import ReproduceOptions
 from fastanchor.trainer.config import describe_options
 from fastanchor.trainer.flags import Overrides, add_options, options_from
 
@@ -54,6 +55,8 @@ COMMANDS = {
     "recipes": (o.RecipesOptions, "cli.commands:recipes", "list the recipes under configs/ with the results they aim at"),
     "demo": (o.DemoOptions, "cli.commands:demo", "train standard and anchored models on the embedded dataset and compare them"),
     "bench": (BENCHMARKS, "benchmarks", "throughput and fidelity benchmarks (result files under benchmarks/results/)"),
+    "reproduce": (ReproduceOptions, "reproduce.sweep:run_reproduce",
+                  "run a figure or table of the anchoring paper as a resumable sweep"),
 }
 
 
@@ -65,8 +68,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def epilog(cls: type) -> str | None:
-    """The options class's docstring (not dataclass's generated one), then every config option where --set takes them."""
+    """The options class's docstring (not dataclass's generated one) and its `help_epilog()` where it has one (e.g. the
+    experiments of `reproduce`), then every config option where --set takes them."""
     notes = [] if (cls.__doc__ or "").startswith(cls.__name__ + "(") else [cls.__doc__ or ""]
+    if hasattr(cls, "help_epilog"):
+        notes.append(cls.help_epilog())
     if issubclass(cls, Overrides):
         notes.append("options (section.key = built-in default; a recipe given by --config sets its own values, "
                      "--set overrides both):\n" + describe_options())

@@ -4,7 +4,7 @@ Every command's options (`fastanchor COMMAND`, `fastanchor bench WHAT`) are a da
 declared with `option()` (trainer/config.py), as the config sections are. `add_options` turns the fields
 into argparse flags, one rule for all: a field `some_name` is the flag `--some-name` (or the `flag` its
 option names); a bool is `--x/--no-x`; a list is a repeatable flag (or, with `positional=True`, one or
-more positional arguments); `required`, `metavar` and `choices` pass through; the help is the option's
+more positional arguments, or one where the field is not a list); `required`, `metavar` and `choices` pass through; the help is the option's
 one line, with its default where it has one. `options_from` reads the parsed values back into the
 dataclass. No torch import here: `--help` stays fast.
 
@@ -40,8 +40,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = hints[f.name]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-        if meta.get("positional"):
-            parser.add_argument(f.name, nargs="+", metavar=meta.get("metavar"), help=meta["help"])
+        if meta.get("positional"):  # a list: one or more values; anything else: exactly one
+            parser.add_argument(f.name, nargs="+" if kind is list else None, type=None if kind is list else kind,
+                                metavar=meta.get("metavar", f.name.upper()), help=meta["help"])
         elif kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
         elif kind is list:  # repeatable; None (not given) leaves the field's default
