@@ -43,6 +43,7 @@ class DataConfig:
     train_split: str = option("train", "training split folder under data.root")
     val_split: str = option("val", "validation split folder under data.root")
     ood_split: str = option("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
+    far_ood_split: str = option("ood_textures", "far-OOD split folder under data.root, also evaluated where it exists ('' to skip)")
     loader: str = option("torchvision", "data loader: torchvision DataLoader, FFCV (.beton files written from the tree) or NVIDIA DALI", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = option(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = option(90, "FFCV: JPEG quality of images re-encoded into the .beton")

@@ -6,9 +6,14 @@ Loads a trained standard or anchored checkpoint, evaluates it, fine-tunes it for
 `finetune_ood.steps` steps, evaluates it again, and writes into `<run>/finetune_ood/`:
 
     finetuned.pt    the fine-tuned checkpoint (training's format: `fastanchor evaluate` reads it)
-    summary.json    {"before": {...}, "after": {...}} (eval.json-shaped) and the settings used
+    summary.json    {"before": {...}, "after": {...}} (eval.json-shaped: ID top-1 and, per OOD set and
+                    score, AUROC and FPR95), "losses" (first and last steps') and the settings used
     summary.md      the before/after table
-    metrics.jsonl   one line per step: losses, the jigsaw grid, images/s
+    metrics.jsonl   one line per step: total, ID (cross-entropy) and OOD (distance to uniform) losses at
+                    the step's weights before it, the jigsaw grid, images/s
+
+The OOD sets are those `fastanchor evaluate` reads: data.ood_split, data.far_ood_split (the embedded
+data's procedural textures) when that folder exists, and every eval.ood_sets entry.
 
 One step, top to bottom:
 
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from tqdm import tqdm
@@ -47,9 +53,10 @@ from fastanchor.errors import ConfigError, DataError, TrainingError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage, to_device_batch
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.eval_sets import subset
+from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.build import eval_loader, split_index, train_loader
+from fastanchor.trainer.build import eval_loader, loader_for, ood_sets, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.safety.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
@@ -76,7 +83,8 @@ def jigsaw_grids(config: Config) -> list[int]:
 
 
 def safety_metrics(model, config: Config, state: dict, device: torch.device, *, label: str, progress: bool) -> dict:
-    """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit): an eval.json-shaped dict.
+    """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit) on every OOD set `fastanchor
+    evaluate` reads (data.ood_split, data.far_ood_split when present, eval.ood_sets): an eval.json-shaped dict.
 
     Anchored models: accuracy with one random reference per image, scores over K =
     eval.num_references references (plus the std score), as `fastanchor evaluate` does.
@@ -85,35 +93,53 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     k = e.num_references if anchored else 1
     val_index = split_index(d, d.val_split, tuple(state["classes"]))
-    ood_index = scan_image_folder(Path(d.root) / d.ood_split)
 
-    def run(index, desc, references_per_image=1):
-        return collect(model, eval_loader(d, index, device, progress=progress), anchored=anchored, references=references,
+    def run(loader, desc, references_per_image=1):
+        return collect(model, loader, anchored=anchored, references=references,
                        num_references=references_per_image, seed=e.seed, desc=f"{label}: {desc}", progress=progress)
 
+    def id_loader():
+        if e.max_images:  # a seeded subset, decoded by the torchvision path (as `fastanchor evaluate` does)
+            return loader_for(subset(DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio)),
+                                     e.max_images, e.seed), d, device)
+        return eval_loader(d, val_index, device, progress=progress)
+
     model.eval()
-    clean = run(val_index, "ID")
-    clean_k = run(val_index, f"ID K={k}", k) if k > 1 else clean
-    ood = run(ood_index, f"OOD K={k}", k)
+    clean = run(id_loader(), "ID")
+    clean_k = run(id_loader(), f"ID K={k}", k) if k > 1 else clean
     with_std = anchored and k > 1
     id_scores = ood_scores(clean_k["logits"], clean_k["std"] if with_std else None)
-    scores = ood_scores(ood["logits"], ood["std"] if with_std else None)
-    per_score = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
+    per_set = {}
+    for eval_set in ood_sets(config):
+        ood = run(loader_for(eval_set.dataset, d, device), f"{eval_set.name} K={k}", k)
+        scores = ood_scores(ood["logits"], ood["std"] if with_std else None)
+        per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
+    names = list(id_scores)
     return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
             "id": {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"]},
             "ood": {"convention": CONVENTION, "positive": "id",
-                    "auroc": {name: values["auroc"] for name, values in per_score.items()},
-                    "sets": {d.ood_split: per_score}}}
+                    "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
+                    "over": list(per_set), "sets": per_set,
+                    "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
+                                    for metric in ("auroc", "fpr95")} for name in names}}}
 
 
 def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:
-    """(metric, before, after) in percent, in a fixed order."""
+    """(metric, before, after) in percent, in a fixed order: ID top-1, then FPR95 and AUROC per score on the
+    first OOD set (data.ood_split), then on each further set (named in the metric) and their mean."""
     rows = [("ID top-1 (%)", before["id"]["top1"], after["id"]["top1"])]
-    (ood_set, scores_before), = before["ood"]["sets"].items()
-    scores_after = after["ood"]["sets"][ood_set]
-    for name in scores_before:
-        rows.append((f"FPR95, {name} (%, lower is better)", 100 * scores_before[name]["fpr95"], 100 * scores_after[name]["fpr95"]))
-        rows.append((f"AUROC, {name} (%)", 100 * scores_before[name]["auroc"], 100 * scores_after[name]["auroc"]))
+    sets = list(before["ood"]["sets"])
+    for i, ood_set in enumerate(sets):
+        scores_before, scores_after = before["ood"]["sets"][ood_set], after["ood"]["sets"][ood_set]
+        where = "" if i == 0 else f" on {ood_set}"
+        for name in scores_before:
+            rows.append((f"FPR95, {name}{where} (%, lower is better)", 100 * scores_before[name]["fpr95"],
+                         100 * scores_after[name]["fpr95"]))
+            rows.append((f"AUROC, {name}{where} (%)", 100 * scores_before[name]["auroc"], 100 * scores_after[name]["auroc"]))
+    if len(sets) > 1:
+        for name in before["ood"]["mean"]:
+            rows.append((f"AUROC, {name}, mean over the {len(sets)} OOD sets (%)", 100 * before["ood"]["mean"][name]["auroc"],
+                         100 * after["ood"]["mean"][name]["auroc"]))
     return rows
 
 
@@ -121,6 +147,15 @@ def markdown_table(before: dict, after: dict) -> str:
     lines = ["| metric | before | after | change |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {b:.2f} | {a:.2f} | {a - b:+.2f} |" for name, b, a in summary_rows(before, after)]
     return "\n".join(lines)
+
+
+def loss_trace(records: list[dict]) -> dict:
+    """The losses at the start and the end of fine-tuning (mean over the first and the last tenth of the steps, at
+    least one): whether the objective was optimised, in summary.json; every step's losses are in metrics.jsonl."""
+    window = max(1, len(records) // 10)
+    return {key: {"first": float(np.mean([r[key] for r in records[:window]])),
+                  "last": float(np.mean([r[key] for r in records[-window:]])), "steps_averaged": window}
+            for key in ("loss", "id_loss", "ood_loss")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,6 +275,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     if not d.ood_split or not (Path(d.root) / d.ood_split).is_dir():
         raise DataError(f"OOD split '{Path(d.root) / d.ood_split}' does not exist: finetune-ood evaluates OOD detection "
                         f"before and after, expected data.ood_split to name a split folder under data.root")
+    oods = [eval_set.name for eval_set in ood_sets(config)]  # every OOD set is found and checked before the model runs
     progress = config.train.progress if progress is None else progress
     seed_everything(f.seed)
 
@@ -251,7 +287,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     settings = {"checkpoint": str(path), "finetuned_checkpoint": str(finetuned), "device": str(device),
                 "jigsaw_grids_used": grids,
                 "ood_distance": "KL(U || softmax(logits))", **dataclasses.asdict(f)}
-    summary = {"before": before, "after": after, "finetune_ood": settings}
+    summary = {"before": before, "after": after, "losses": loss_trace(records), "finetune_ood": settings}
     save_checkpoint(finetuned, {**{key: state[key] for key in ("classes", "epoch", "step", "reference_images")},
                                 "config": config.to_dict(), "model": model.state_dict(), "metrics": after,
                                 "finetuned_from": str(path)})
@@ -259,7 +295,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     text = (f"# OOD fine-tuning (SFT) of {path}\n\n"
             f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
             f"jigsaw grids {settings['jigsaw_grids_used']}, BatchNorm {f.batchnorm}; ID: '{d.val_split}' "
-            f"({config.data.root}), OOD: '{d.ood_split}'.\n\n{table}\n\n{CONVENTION}."
+            f"({config.data.root}), OOD: {', '.join(repr(name) for name in oods)}.\n\n{table}\n\n{CONVENTION}."
             + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
                f"references." if config.anchor.enabled else "") + "\n")
     atomic_write_bytes(out / "metrics.jsonl", lambda h: h.write("".join(json.dumps(r) + "\n" for r in records).encode()))
