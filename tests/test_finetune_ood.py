@@ -189,3 +189,36 @@ def test_the_sweep_records_each_setting_with_its_command_and_tabulates_it(runs, 
     assert not list(tmp_path.rglob("*.pt"))  # the fine-tuned weights are not kept
     rows = sweep_rows(tmp_path)
     assert len(rows) == 3 and rows[2].startswith("| standard | ce_only |")
+
+
+def test_every_ood_set_is_evaluated_before_and_after_and_the_losses_are_logged(runs, tiny_dataset, tmp_path):
+    """data.ood_split, the embedded texture split (data.far_ood_split) and an eval.ood_sets entry are all evaluated;
+    the same folder under two names gives the same numbers; `fastanchor evaluate` of the same checkpoint agrees on
+    the textures; per-step ID and OOD losses add up to the logged loss (lambda 0.5)."""
+    checkpoint = runs / "standard" / "final.pt"
+    sets = ["--set", "data.far_ood_split=ood_textures", "--set", f"eval.ood_sets=[again={tiny_dataset / 'ood'}]"]
+    result = run_main("finetune-ood", "--checkpoint", checkpoint, "--out", tmp_path / "sft", "--set", "finetune_ood.steps=3",
+                      "--set", "finetune_ood.ood_weight=0.5", *sets)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
+    for when in ("before", "after"):
+        ood = summary[when]["ood"]
+        assert ood["over"] == list(ood["sets"]) == ["ood", "ood_textures", "again"]
+        assert ood["sets"]["again"] == ood["sets"]["ood"]
+        assert ood["auroc"]["energy"] == pytest.approx(np.mean([s["energy"]["auroc"] for s in ood["sets"].values()]))
+    assert "| AUROC, energy on ood_textures (%) |" in (tmp_path / "sft" / "summary.md").read_text()
+
+    evaluated = run_main("evaluate", "--checkpoint", checkpoint, "--set", "eval.plots=false", *sets)
+    assert evaluated.returncode == 0, evaluated.stderr
+    textures = json.loads((runs / "standard" / "eval.json").read_text())["ood"]["sets"]["ood_textures"]
+    for score in ("energy", "msp", "maxlogit"):
+        assert summary["before"]["ood"]["sets"]["ood_textures"][score]["auroc"] == pytest.approx(textures[score]["auroc"])
+        assert summary["before"]["ood"]["sets"]["ood_textures"][score]["fpr95"] == pytest.approx(textures[score]["fpr95"])
+
+    records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["loss"] == pytest.approx(r["id_loss"] + 0.5 * r["ood_loss"], rel=1e-5)
+        assert r["ood_loss"] >= 0.0  # KL(U || p) is never negative
+    window = summary["losses"]["id_loss"]["steps_averaged"]
+    assert window == 1 and summary["losses"]["ood_loss"]["first"] == pytest.approx(records[0]["ood_loss"])
+    assert summary["losses"]["id_loss"]["last"] == pytest.approx(records[-1]["id_loss"])
