@@ -3,11 +3,14 @@
 SGD steps, to ~1e-6; the control's own jigsaw, channel shuffle and AUROC checked against hand rules and sklearn."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_main, tiny_overrides
 from fastanchor.benchmarks import sft_control as control
+from fastanchor.benchmarks.sft_control_sweep import main
 from fastanchor.kernels.pseudo_ood import pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
 from fastanchor.pipeline.imagefolder import scan_image_folder
@@ -78,3 +81,21 @@ def test_the_controls_auroc_is_sklearns(batch):
         scores = [torch.logsumexp(model.eval()(control.normalised(x)).double(), 1).numpy() for x in (images, ood)]
     expected = roc_auc_score(np.r_[np.ones(16), np.zeros(16)], np.r_[scores[0], scores[1]])
     assert control.energy_auroc(model, images, ood, batch=5) == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_sweep_runs_control_and_project_from_one_checkpoint_and_they_agree_before(tiny_dataset, tmp_path):
+    trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
+        "model.name": "fastanchor_resnet_tiny_gn", "anchor.enabled": "false", "train.run_name": "gn"}))
+    assert trained.returncode == 0, trained.stderr
+    out = tmp_path / "sweep.json"
+    main([str(tmp_path / "gn" / "final.pt"), "--seeds", "0", "1", "--set", "finetune_ood.steps=2",
+          "--set", "data.far_ood_split=ood_textures", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [0, 1] and len(result["control"]["runs"]) == len(result["project"]["runs"]) == 2
+    for ours, theirs in zip(result["control"]["runs"], result["project"]["runs"]):
+        # the same checkpoint measured by two independent code paths
+        assert ours["before"]["top1"] == pytest.approx(theirs["before"]["top1"], abs=1e-9)
+        assert list(ours["before"]["energy_auroc"]) == ["ood", "ood_textures"]
+        for name, value in ours["before"]["energy_auroc"].items():
+            assert value == pytest.approx(theirs["before"]["energy_auroc"][name], abs=1e-3)
+    assert set(result["control"]["after"]) == {"top1", "energy_auroc/ood", "energy_auroc/ood_textures"}
