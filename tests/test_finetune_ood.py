@@ -222,3 +222,27 @@ def test_every_ood_set_is_evaluated_before_and_after_and_the_losses_are_logged(r
     window = summary["losses"]["id_loss"]["steps_averaged"]
     assert window == 1 and summary["losses"]["ood_loss"]["first"] == pytest.approx(records[0]["ood_loss"])
     assert summary["losses"]["id_loss"]["last"] == pytest.approx(records[-1]["id_loss"])
+
+
+def test_every_sft_table_setting_is_a_valid_finetune_ood_config_and_its_summary_flattens(runs, tmp_path):
+    from fastanchor.benchmarks.sft_tables import SFT_TABLES, overrides, table_values
+    from fastanchor.trainer.config import load_config, parse_override, set_value, validate
+
+    for table, settings in SFT_TABLES.items():
+        for setting in settings:
+            config = load_config("demo")
+            for text in overrides(table, setting):
+                set_value(config, *parse_override(text))
+            validate(config)
+            assert config.finetune_ood.lr == 0.001 and config.finetune_ood.ood_weight in (0.0, 1.0)
+    result = run_main("finetune-ood", "--checkpoint", runs / "standard" / "final.pt", "--out", tmp_path,
+                      "--set", "data.far_ood_split=ood_textures",
+                      *[a for o in overrides("sft-tab4", "only_id_data") for a in ("--set", o)], "--set", "finetune_ood.steps=2")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["finetune_ood"]["ood_weight"] == 0.0 and summary["finetune_ood"]["steps"] == 2
+    values = table_values(summary)
+    energy = summary["after"]["ood"]["sets"]["ood_textures"]["energy"]
+    assert values["energy/ood_textures_auroc"] == pytest.approx(100 * energy["auroc"])
+    assert values["energy/average_fpr95"] == pytest.approx(50 * sum(s["energy"]["fpr95"] for s in summary["after"]["ood"]["sets"].values()))
+    assert values["id_top1_change"] == pytest.approx(summary["after"]["id"]["top1"] - summary["before"]["id"]["top1"])
