@@ -59,6 +59,9 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
         assert f"{sft['before']['id']['top1']:.2f} | {sft['after']['id']['top1']:.2f}" in summary
     sft_header = "| metric | standard before | standard after | anchored before | anchored after |"
     assert sft_header in summary and sft_header in result.stdout
+    # the demo model is all BatchNorm: the SFT section says it is outside the paper's claim (issue 27)
+    regime = "This model normalises with BatchNorm only (12 BatchNorm): outside the SFT paper's claim"
+    assert regime in summary and regime in result.stdout
 
 
 def test_other_options_train_in_process(tiny_dataset, tmp_path):

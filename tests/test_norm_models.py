@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
+from fastanchor.trainer.models import DEMO_MODEL, create_model
 from fastanchor.trainer.safety.evaluate import load_for_inference
+from fastanchor.trainer.safety.finetune_ood import norm_layer_counts, sft_regime
 from fastanchor.trainer.safety.sam import normalization_parameters
 from torch import nn
 
@@ -45,6 +47,7 @@ def test_every_command_runs_on_the_norm_layer_model(trained, tmp_path):
     assert finetuned.returncode == 0, finetuned.stderr
     summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
     assert summary["finetune_ood"]["optimizer"] == "sam_norm"  # the paper's SAM on these models' norm layers
+    assert "the SFT paper's regime" in (tmp_path / "sft" / "summary.md").read_text()
     after, _, _ = load_for_inference(tmp_path / "sft" / "finetuned.pt", torch.device("cpu"))
     moved = [not torch.equal(a, b) for a, b in zip(normalization_parameters(model), normalization_parameters(after))]
     assert moved[0] and sum(moved) > len(moved) // 2  # (a block whose last norm starts at 0 passes ~no gradient back)
@@ -54,3 +57,13 @@ def test_every_command_runs_on_the_norm_layer_model(trained, tmp_path):
     swept = run_main("robustness", "--run", run, "--corruption", "contrast", "--baseline", "line:1,0")
     assert swept.returncode == 0, swept.stderr
     assert (run / "robustness_over_training.json").is_file()
+
+
+def test_the_norm_layers_are_counted_by_type_and_name_the_papers_regime():
+    counts = {name: norm_layer_counts(create_model(name, 4, anchored=True)) for name in (DEMO_MODEL, *NORM_MODELS)}
+    assert counts[DEMO_MODEL] == {"BatchNorm": 12} and counts["fastanchor_resnet_tiny_gn"] == {"GroupNorm": 12}
+    convnext = create_model("convnext_atto", 4, anchored=True)
+    assert counts["convnext_atto"] == {"LayerNorm": sum(isinstance(m, nn.LayerNorm) for m in convnext.modules())}
+    assert "outside the SFT paper's claim" in sft_regime(counts[DEMO_MODEL])
+    assert all("the SFT paper's regime" in sft_regime(counts[name]) for name in NORM_MODELS)
+    assert "partly outside" in sft_regime({"BatchNorm": 1, "LayerNorm": 2})

@@ -149,6 +149,30 @@ def markdown_table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def norm_layer_counts(model: torch.nn.Module) -> dict[str, int]:
+    """{"BatchNorm" | "GroupNorm" | "LayerNorm": number of such modules} (subclasses counted under their base)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        for base, name in ((_BatchNorm, "BatchNorm"), (torch.nn.GroupNorm, "GroupNorm"), (torch.nn.LayerNorm, "LayerNorm")):
+            if isinstance(module, base):
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def sft_regime(norm_layers: dict[str, int]) -> str:
+    """One line: whether the model is in the SFT paper's regime (GroupNorm / LayerNorm models; the paper reports that
+    SFT does not suit BatchNorm models), from `norm_layer_counts`."""
+    layers = ", ".join(f"{n} {name}" for name, n in norm_layers.items()) or "no normalisation layer"
+    if norm_layers and set(norm_layers) == {"BatchNorm"}:
+        return (f"This model normalises with BatchNorm only ({layers}): outside the SFT paper's claim, which is made for "
+                f"GroupNorm and LayerNorm models (docs/evaluation.md).")
+    if norm_layers.get("BatchNorm"):
+        return f"This model mixes BatchNorm with other normalisation ({layers}): partly outside the SFT paper's claim."
+    if norm_layers:
+        return f"This model normalises with {layers}: the SFT paper's regime (GroupNorm and LayerNorm models)."
+    return "This model has no normalisation layer: SAM-only-norm has nothing to perturb."
+
+
 def loss_trace(records: list[dict]) -> dict:
     """The losses at the start and the end of fine-tuning (mean over the first and the last tenth of the steps, at
     least one): whether the objective was optimised, in summary.json; every step's losses are in metrics.jsonl."""
@@ -285,7 +309,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     after = safety_metrics(model, config, state, device, label=str(finetuned), progress=progress)
 
     settings = {"checkpoint": str(path), "finetuned_checkpoint": str(finetuned), "device": str(device),
-                "jigsaw_grids_used": grids,
+                "jigsaw_grids_used": grids, "norm_layers": norm_layer_counts(model),
                 "ood_distance": "KL(U || softmax(logits))", **dataclasses.asdict(f)}
     summary = {"before": before, "after": after, "losses": loss_trace(records), "finetune_ood": settings}
     save_checkpoint(finetuned, {**{key: state[key] for key in ("classes", "epoch", "step", "reference_images")},
@@ -295,7 +319,8 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     text = (f"# OOD fine-tuning (SFT) of {path}\n\n"
             f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
             f"jigsaw grids {settings['jigsaw_grids_used']}, BatchNorm {f.batchnorm}; ID: '{d.val_split}' "
-            f"({config.data.root}), OOD: {', '.join(repr(name) for name in oods)}.\n\n{table}\n\n{CONVENTION}."
+            f"({config.data.root}), OOD: {', '.join(repr(name) for name in oods)}. {sft_regime(settings['norm_layers'])}\n\n"
+            f"{table}\n\n{CONVENTION}."
             + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
                f"references." if config.anchor.enabled else "") + "\n")
     atomic_write_bytes(out / "metrics.jsonl", lambda h: h.write("".join(json.dumps(r) + "\n" for r in records).encode()))
