@@ -316,9 +316,10 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
                                 "config": config.to_dict(), "model": model.state_dict(), "metrics": after,
                                 "finetuned_from": str(path)})
     table = markdown_table(before, after)
+    batchnorm = f"BatchNorm {f.batchnorm}" if "BatchNorm" in settings["norm_layers"] else "no BatchNorm"
     text = (f"# OOD fine-tuning (SFT) of {path}\n\n"
             f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
-            f"jigsaw grids {settings['jigsaw_grids_used']}, {f"BatchNorm {f.batchnorm}" if "BatchNorm" in settings["norm_layers"] else "no BatchNorm"}; ID: '{d.val_split}' "
+            f"jigsaw grids {settings['jigsaw_grids_used']}, {batchnorm}; ID: '{d.val_split}' "
             f"({config.data.root}), OOD: {', '.join(repr(name) for name in oods)}. {sft_regime(settings['norm_layers'])}\n\n"
             f"{table}\n\n{CONVENTION}."
             + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
