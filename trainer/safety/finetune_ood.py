@@ -121,7 +121,7 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
                     "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
                     "over": list(per_set), "sets": per_set,
                     "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
-                                    for metric in ("auroc", "fpr95")} for name in names}}}
+                                    for metric in ("auroc", "aupr", "fpr95")} for name in names}}}
 
 
 def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:
