@@ -88,25 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     robustness = commands.add_parser(
         "robustness", formatter_class=formatter,
-        help="effective robustness over training: every per-epoch checkpoint on an ID and an OOD set, ER per epoch",
-        description="Evaluates runs/<run>/checkpoints/epoch_XXX.pt on an ID set and an OOD set, fits or takes a baseline "
-                    "line in logit space (ER = OOD acc - inverse_logit(a * logit(ID acc) + b)) and writes "
-                    "<run>/robustness_over_training.json per run and one chart with all runs.",
+        help="effective robustness over training: every checkpoint on an ID and an OOD set, ER per checkpoint",
+        description="Evaluates every checkpoint in runs/<run>/checkpoints/ (end of epoch and mid-epoch) on an ID set and "
+                    "an OOD set, takes or fits a baseline line in logit space (ER = OOD acc - inverse_logit(a * logit(ID "
+                    "acc) + b)) and writes <run>/robustness_over_training.json and .npz (per-example correctness) per "
+                    "run and one chart with all runs.",
         epilog="--set accepts data.* and eval.* options (e.g. data.root, data.workers) and train.progress; the rest come from the checkpoints.")
     robustness.add_argument("--run", dest="runs", action="append", required=True, metavar="RUN_DIR",
-                            help="run directory with checkpoints/epoch_XXX.pt (repeatable: standard and anchored runs on one chart)")
+                            help="run directory with checkpoints/ (repeatable: standard and anchored runs on one chart)")
     robustness.add_argument("--id-root", default="", help="ID ImageFolder (default: the run's data.root/data.val_split)")
     robustness.add_argument("--ood-root", default="",
                             help="OOD ImageFolder with the training class folders (or a subset: predictions are then "
                                  "restricted to those classes); default: the ID set corrupted")
     robustness.add_argument("--corruption", dest="corruptions", action="append", default=[], metavar="NAME",
-                            help="ImageNet-C corruption of the ID set as OOD set (repeatable; OOD accuracy is the mean; "
-                                 "default: the run's eval.corruptions)")
+                            help="corruption of the ID set as OOD set, at the run's eval.corruption_parameters "
+                                 "(repeatable; OOD accuracy is the mean; default: the run's eval.corruptions)")
     robustness.add_argument("--severity", type=int, default=3, help="corruption severity 1-5 (default: 3)")
-    robustness.add_argument("--baseline", default="standard-runs",
-                            help="standard-runs (fit to the standard runs' epochs; default), imagenet-v2, imagenet-sketch, "
-                                 "imagenet-r, imagenet-v2-andreassen (shipped ImageNet testbed fits: ID must be ImageNet val), "
-                                 "testbed:FILE.csv (columns id_top1,ood_top1 in %%, one model a row) or line:A,B")
+    robustness.add_argument("--baseline", default="auto",
+                            help="auto (default: the published line for the ID/OOD pair, else a testbed fit of these "
+                                 "sets), testbed:FILE (.json from a testbed, or .csv with columns id_top1,ood_top1 in %%), "
+                                 "fit-to-given-runs (a line through the standard runs' checkpoints), line:A,B, "
+                                 "cifar10-to-cifar10.1 or imagenet-to-imagenetv2")
     robustness.add_argument("--transform", choices=("logit", "probit"), default="logit",
                             help="accuracy transform of the baseline fit (default: logit, as in the design notes)")
     robustness.add_argument("--plot", default="", help="chart path (default: <run>/robustness_over_training.png, or "
@@ -231,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         runs, chart = robustness_over_training([Path(r) for r in args.runs], spec, args.device,
                                                Path(args.plot) if args.plot else None)
         for run in runs:
-            print(f"{run['run']}: " + ", ".join(f"epoch {e['epoch']} ER {round(e['effective_robustness'], 2) + 0.0:+.2f} pp"
+            print(f"{run['run']}: " + ", ".join(f"epoch {e['epoch']:g} ER {round(e['effective_robustness'], 2) + 0.0:+.2f} pp"
                                                 for e in run["epochs"]))
         print(f"baseline {runs[0]['baseline']['name']}: a = {runs[0]['baseline']['a']:.4f}, b = {runs[0]['baseline']['b']:.4f}; "
               f"results in <run>/robustness_over_training.json, chart {chart}")

@@ -40,7 +40,8 @@ def runs(tiny_dataset, tmp_path_factory):
         assert trained.returncode == 0, trained.stderr
         evaluated = run_main("evaluate", "--checkpoint", out / kind / "final.pt")
         assert evaluated.returncode == 0, evaluated.stderr
-    swept = run_main("robustness", "--run", out / "standard", "--run", out / "anchored", "--corruption", "gaussian_noise")
+    swept = run_main("robustness", "--run", out / "standard", "--run", out / "anchored", "--corruption", "gaussian_noise",
+                     "--baseline", "fit-to-given-runs")
     assert swept.returncode == 0, swept.stderr
     for kind in ("standard", "anchored"):
         probed = run_main("linear-probe", "--checkpoint", out / kind / "final.pt", "--views", 2, "--l2", L2)
@@ -60,8 +61,11 @@ def test_effective_robustness_over_epochs(runs):
     standard, anchored = (read(runs / k / "robustness_over_training.json") for k in ("standard", "anchored"))
     for kind, result in (("standard", standard), ("anchored", anchored)):
         assert [e["epoch"] for e in result["epochs"]] == [1, 2]
-        assert result["ood_set"] == {"kind": "corruption", "corruptions": ["gaussian_noise"], "severity": 3,
-                                     "root": result["id_set"]["root"], "images": 24}
+        assert [e["fraction_of_training"] for e in result["epochs"]] == [0.5, 1.0]
+        ood_set = {k: v for k, v in result["ood_set"].items() if k != "digest"}
+        assert ood_set == {"kind": "corruption", "corruptions": ["gaussian_noise"], "severity": 3, "seed": 0,
+                           "parameters": "imagenet-c", "root": result["id_set"]["root"], "images": 24}
+        assert result["ood_set"]["digest"] == result["id_set"]["digest"]  # the ID images, corrupted
         assert result["id_set"]["root"].endswith("val") and result["id_set"]["images"] == 24
         # ID accuracy per epoch is what training's own validation measured (same references, same seed)
         validated = [json.loads(line)["val_top1"] for line in (runs / kind / "metrics.jsonl").read_text().splitlines()
@@ -72,7 +76,15 @@ def test_effective_robustness_over_epochs(runs):
         assert result["epochs"][-1]["id_top1"] == pytest.approx(final["id"]["top1"], abs=1e-9)
         assert result["epochs"][-1]["ood_top1"] == pytest.approx(final["corruptions"]["gaussian_noise@3"], abs=1e-9)
 
-    # default baseline: least squares in logit space through the standard run's two epochs, by hand
+    # which examples each checkpoint gets right, beside the JSON: the accuracies again
+    for kind, result in (("standard", standard), ("anchored", anchored)):
+        with np.load(runs / kind / "robustness_over_training.npz") as saved:
+            assert saved["id_correct"].dtype == bool and saved["id_correct"].shape == (2, 24)
+            assert list(saved["checkpoints"]) == ["epoch_001.pt", "epoch_002.pt"]
+            assert 100 * saved["id_correct"].mean(axis=1) == pytest.approx([e["id_top1"] for e in result["epochs"]])
+            assert 100 * saved["ood_correct"].mean(axis=1) == pytest.approx([e["ood_top1"] for e in result["epochs"]])
+
+    # fit-to-given-runs: least squares in logit space through the standard run's two epochs, by hand
     x = [logit(e["id_clipped"]) for e in standard["epochs"]]
     y = [logit(e["ood_clipped"]) for e in standard["epochs"]]
     a = (y[1] - y[0]) / (x[1] - x[0])
@@ -91,32 +103,47 @@ def test_effective_robustness_over_epochs(runs):
 
 
 def test_robustness_on_a_class_subset_with_a_shipped_baseline_and_bad_input(runs, tmp_path):
-    # an OOD folder with 2 of the 4 classes (like ImageNet-R's 200 of 1000): predictions restricted to them
+    # an OOD folder with 2 of the 4 classes (like ImageNet-R's 200 of 1000): predictions restricted to them, and
+    # the ID accuracy measured the same way on the ID images of those classes ("subclassed")
     val = Path(read(runs / "anchored" / "robustness_over_training.json")["id_set"]["root"])
     classes = sorted(p.name for p in val.iterdir())
     for name in classes[1:3]:
         shutil.copytree(val / name, tmp_path / "subset" / name)
-    result = run_main("robustness", "--run", runs / "anchored", "--ood-root", tmp_path / "subset",
-                      "--baseline", "imagenet-r", "--plot", tmp_path / "anchored_r_line.png")
+    result = run_main("robustness", "--run", runs / "standard", "--ood-root", tmp_path / "subset",
+                      "--baseline", "cifar10-to-cifar10.1", "--plot", tmp_path / "standard_subset.png")
     assert result.returncode == 0, result.stderr
-    data = read(runs / "anchored" / "robustness_over_training.json")
+    data = read(runs / "standard" / "robustness_over_training.json")
     assert data["ood_set"]["logit_mask"] == classes[1:3] and data["ood_set"]["images"] == 12
-    assert (data["baseline"]["a"], data["baseline"]["b"]) == (0.9116, -1.5999)
+    assert data["id_set"]["subclassed"] and data["id_set"]["images"] == 12
+    assert (data["baseline"]["a"], data["baseline"]["b"]) == (0.8318, -0.4736)
     for e in data["epochs"]:
-        predicted = 1.0 / (1.0 + math.exp(-(0.9116 * logit(e["id_clipped"]) - 1.5999)))
+        predicted = 1.0 / (1.0 + math.exp(-(0.8318 * logit(e["id_clipped"]) - 0.4736)))
         assert e["effective_robustness"] == pytest.approx(100 * (e["ood_clipped"] - predicted), abs=1e-6)
         assert e["ood_top1"] >= 0 and e["ood_top1"] * 12 / 100 == pytest.approx(round(e["ood_top1"] * 12 / 100))
+        assert e["id_top1"] * 12 / 100 == pytest.approx(round(e["id_top1"] * 12 / 100))
+    # the OOD folder here holds the very ID images of the two classes: a standard model's subclassed ID accuracy
+    # (those images, argmax over those two classes) must equal its OOD accuracy
+    last = data["epochs"][-1]
+    assert last["id_top1"] == pytest.approx(last["ood_top1"], abs=1e-9)
+    assert "id_top1_all_classes" in last
 
+    # no published line and no testbed for an embedded ID set under corruption: one line naming the options
     alone = run_main("robustness", "--run", runs / "anchored", "--corruption", "contrast")
-    assert alone.returncode == 2 and "every run given is anchored" in alone.stderr and len(alone.stderr.splitlines()) == 1
+    assert alone.returncode == 2 and len(alone.stderr.splitlines()) == 1, alone.stderr
+    assert "no published or testbed line" in alone.stderr and "fit-to-given-runs" in alone.stderr
+    assert "testbed:FILE" in alone.stderr and "line:A,B" in alone.stderr
+    anchored_only = run_main("robustness", "--run", runs / "anchored", "--corruption", "contrast", "--baseline", "fit-to-given-runs")
+    assert anchored_only.returncode == 2 and "every run given is anchored" in anchored_only.stderr
     for bad, message in ((["--baseline", "line:1,x"], "expected line:A,B"), (["--severity", "7"], "expected an integer 1 to 5"),
-                         (["--corruption", "rain"], "unknown corruption 'rain'")):
-        failed = run_main("robustness", "--run", runs / "anchored", *bad)
+                         (["--corruption", "rain"], "unknown corruption 'rain'"),
+                         (["--baseline", "standard-runs"], "now called fit-to-given-runs"),
+                         (["--baseline", "imagenet-r"], "expected auto, fit-to-given-runs")):
+        failed = run_main("robustness", "--run", runs / "standard", *bad)
         assert failed.returncode == 2 and message in failed.stderr, failed.stderr
     missing = run_main("robustness", "--run", runs / "nope")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     # the failed calls left the earlier result whole
-    assert read(runs / "anchored" / "robustness_over_training.json") == data
+    assert read(runs / "standard" / "robustness_over_training.json") == data
 
 
 def probe_features(runs, kind, views):

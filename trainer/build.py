@@ -62,6 +62,7 @@ from fastanchor.pipeline.torchvision_loader import (
 )
 from fastanchor.trainer.config import Config, DataConfig
 from fastanchor.trainer.distributed import Processes, main_first
+from fastanchor.trainer.initial_weights import freeze_backbone, load_initial_weights
 from fastanchor.trainer.loss_window import LossWindow
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.resume import ResumePoint
@@ -366,10 +367,14 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
     fixed_train_refs = reference_images(d, train_index, a.fixed_size, t.seed + 1).to(device) if a.references == "fixed" else None
 
     model = build_model(config, len(train_index.classes), device)
+    if config.model.init_checkpoint and point is None:  # a resumed run has its own weights
+        load_initial_weights(model, config.model.init_checkpoint, train_index.classes)
     if processes.several and t.sync_bn:
         if device.type != "cuda":
             raise ConfigError("train.sync_bn = true needs CUDA: torch's SyncBatchNorm has no CPU kernel")
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if t.freeze_backbone:
+        freeze_backbone(model)
     optimizer = make_optimizer(model, config, processes.world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step / steps_per_epoch, t.epochs, o))
     autocast_dtype = amp_dtype(t.amp, device)

@@ -97,6 +97,7 @@ class ModelConfig:
     pretrained: bool = option(False, "start from pretrained 3-channel weights (both halves of the widened first layer get them)")
     drop_rate: float = option(0.0, "dropout before the classifier (timm models)")
     blurpool: bool = option(False, "anti-aliased downsampling (BlurPool, timm's aa_layer) for timm ResNets")
+    init_checkpoint: str = option("", "start from these weights: a fastanchor checkpoint or a state_dict file ('' for none)")
 
 
 @dataclass
@@ -155,6 +156,7 @@ class TrainConfig:
     deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off)")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes (SyncBatchNorm; torchrun on CUDA)")
     max_steps: int = option(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch)")
+    freeze_backbone: bool = option(False, "train the classifier only; norm layers elsewhere stay in eval mode (last-layer training)")
 
 
 @dataclass
@@ -410,6 +412,9 @@ def validate(config: Config) -> None:
     _check(0.0 <= a.alpha <= 1.0, f"anchor.alpha = {a.alpha}: expected a probability in [0, 1]")
     _check(not (a.first_layer == "fresh" and config.model.pretrained),
            "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
+    _check(not (config.model.init_checkpoint and config.model.pretrained),
+           "model.init_checkpoint with model.pretrained = true: the checkpoint's weights would replace the pretrained ones; "
+           "set model.pretrained=false")
     _check(a.bank_size >= 1, f"anchor.bank_size = {a.bank_size}: expected >= 1")
     _check(a.fixed_size >= 1, f"anchor.fixed_size = {a.fixed_size}: expected >= 1")
     _check(a.inference_references >= 1, f"anchor.inference_references = {a.inference_references}: expected >= 1")

@@ -7,7 +7,7 @@
         final.pt                     -> the last epoch's checkpoint
         eval.json, ood_scores.npz, plots/        `fastanchor evaluate` of final.pt
         finetune_ood/                `fastanchor finetune-ood`
-        robustness_over_training.json, linear_probe.json
+        robustness_over_training.json (.npz: per-example correctness), linear_probe.json
 """
 
 from __future__ import annotations

@@ -44,39 +44,116 @@ def write_png(path: Path, data: bytes) -> Path:
     return Path(path)
 
 
-def effective_robustness_chart(series: list[dict], baseline: dict, title: str = "") -> bytes:
-    """Two panels: OOD vs ID accuracy with the baseline curve, and ER against ID accuracy.
+def effective_robustness_chart(series: list[dict], baseline: dict, title: str = "",
+                               testbed_points: list[tuple[float, float]] | None = None) -> bytes:
+    """OOD vs ID accuracy with the baseline curve (and the testbed's models, when given), ER against ID
+    accuracy, and, when the checkpoints record it, ER against the fraction of training done.
 
     `series`: one dict per run with "label", "anchored" and "epochs" (dicts with "epoch",
-    "id_top1", "ood_top1", "effective_robustness"; percent). Points are joined in epoch order and
-    the last epoch is labelled.
+    "id_top1", "ood_top1", "effective_robustness", optionally "fraction_of_training"; percent).
+    Points are joined in training order and the last one is labelled.
     """
-    fig = Figure(figsize=(10.5, 4.2))
-    left, right = fig.subplots(1, 2)
+    by_fraction = all("fraction_of_training" in e for s in series for e in s["epochs"])
+    fig = Figure(figsize=(15.5 if by_fraction else 10.5, 4.2))
+    axes = fig.subplots(1, 3 if by_fraction else 2)
+    left, right = axes[0], axes[1]
     colours = run_colours([s["anchored"] for s in series])
-    ids = [e["id_top1"] for s in series for e in s["epochs"]]
+    ids = [e["id_top1"] for s in series for e in s["epochs"]] + [x for x, _ in testbed_points or []]
     lo, hi = max(min(ids) - 5.0, 0.5), min(max(ids) + 5.0, 99.5)
     line = Baseline(baseline["a"], baseline["b"], baseline["transform"])
     grid = np.linspace(lo, hi, 200)
     left.plot(grid, 100.0 * line.predict(grid / 100.0), color="0.45", linestyle="--",
               label=f"baseline ({baseline['name']}, {baseline['transform']} fit)")
-    right.axhline(0.0, color="0.45", linestyle="--", linewidth=1)
+    if testbed_points:
+        left.scatter(*zip(*testbed_points), color="0.3", marker="x", s=22, zorder=3, label="testbed models")
+    for axis in axes[1:]:
+        axis.axhline(0.0, color="0.45", linestyle="--", linewidth=1)
     for s, colour in zip(series, colours):
         epochs = sorted(s["epochs"], key=lambda e: e["epoch"])
         x = [e["id_top1"] for e in epochs]
+        er = [e["effective_robustness"] for e in epochs]
         marker = "o" if s["anchored"] else "s"
         left.plot(x, [e["ood_top1"] for e in epochs], marker=marker, color=colour, label=s["label"])
-        right.plot(x, [e["effective_robustness"] for e in epochs], marker=marker, color=colour, label=s["label"])
-        right.annotate(f"ep {epochs[-1]['epoch']}", (x[-1], epochs[-1]["effective_robustness"]),
+        right.plot(x, er, marker=marker, color=colour, label=s["label"])
+        right.annotate(f"ep {epochs[-1]['epoch']:g}", (x[-1], er[-1]),
                        textcoords="offset points", xytext=(4, 4), fontsize=8, color=colour)
-    left.set(xlabel="ID top-1 (%)", ylabel="OOD top-1 (%)", title="OOD vs ID accuracy over epochs")
-    right.set(xlabel="ID top-1 (%)", ylabel="effective robustness (pp)", title="effective robustness over epochs")
+        if by_fraction:
+            axes[2].plot([e["fraction_of_training"] for e in epochs], er, marker=marker, color=colour, label=s["label"])
+    left.set(xlabel="ID top-1 (%)", ylabel="OOD top-1 (%)", title="OOD vs ID accuracy over training")
+    right.set(xlabel="ID top-1 (%)", ylabel="effective robustness (pp)", title="effective robustness over training")
     right.margins(x=0.1)
-    for axis in (left, right):
+    if by_fraction:
+        axes[2].set(xlabel="fraction of training", ylabel="effective robustness (pp)", title="ER against training done")
+    for axis in axes:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
+    return png_bytes(fig)
+
+
+def testbed_chart(models: list[dict], fits: dict, title: str = "") -> bytes:
+    """A testbed (the paper's Figure 2): its models' OOD vs ID accuracy in linear space with the logit and
+    probit lines, and in logit space with the logit line. `models`: dicts with "label", "id_clipped",
+    "ood_clipped" (fractions); `fits`: {"logit"|"probit": {"a", "b", "r2"}}."""
+    from scipy.special import logit
+
+    fig = Figure(figsize=(10.5, 4.2))
+    linear, transformed = fig.subplots(1, 2)
+    x = np.array([m["id_clipped"] for m in models])
+    y = np.array([m["ood_clipped"] for m in models])
+    lo, hi = max(x.min() - 0.05, 0.005), min(x.max() + 0.05, 0.995)
+    grid = np.linspace(lo, hi, 200)
+    styles = {"logit": ("#c0504d", "-"), "probit": ("#1f4e79", ":")}
+    for name, fit in fits.items():
+        colour, style = styles.get(name, ("0.4", "--"))
+        line = Baseline(fit["a"], fit["b"], name)
+        text = f"{name} fit: a = {fit['a']:.3f}, b = {fit['b']:.3f}, R$^2$ = {fit['r2']:.3f}"
+        linear.plot(100 * grid, 100 * line.predict(grid), color=colour, linestyle=style, label=text)
+        if name == "logit":
+            transformed.plot(logit(grid), fit["a"] * logit(grid) + fit["b"], color=colour, linestyle=style, label=text)
+    linear.plot([100 * lo, 100 * hi], [100 * lo, 100 * hi], color="0.7", linewidth=1, label="y = x")
+    linear.scatter(100 * x, 100 * y, color="0.2", s=18, zorder=3, label="testbed models")
+    transformed.scatter(logit(x), logit(y), color="0.2", s=18, zorder=3, label="testbed models")
+    for m, px, py in zip(models, x, y):
+        linear.annotate(m["label"], (100 * px, 100 * py), textcoords="offset points", xytext=(3, 3), fontsize=6)
+    linear.set(xlabel="ID top-1 (%)", ylabel="OOD top-1 (%)", title="testbed, linear space")
+    transformed.set(xlabel="logit(ID accuracy)", ylabel="logit(OOD accuracy)", title="testbed, logit space")
+    for axis in (linear, transformed):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return png_bytes(fig)
+
+
+def binned_er_chart(summary: dict) -> bytes:
+    """er_summary.py's groups: binned ER against ID accuracy with a +- 1 std band, and every run's ER against
+    the fraction of training done."""
+    fig = Figure(figsize=(10.5, 4.2))
+    binned_axis, time_axis = fig.subplots(1, 2)
+    palette = ("#c0504d", "#1f4e79", "#e46c0a", "#4f81bd", "#9bbb59")
+    for (label, group), colour in zip(summary["groups"].items(), palette * 4):
+        b = group["binned"]
+        x = np.array(b["centres"])
+        mean = np.array([np.nan if v is None else v for v in b["mean"]])
+        std = np.array([np.nan if v is None else v for v in b["std"]])
+        kept = ~np.isnan(mean)
+        binned_axis.plot(x[kept], mean[kept], color=colour, marker=".", label=f"{label} ({len(group['runs'])} runs)")
+        binned_axis.fill_between(x[kept], (mean - std)[kept], (mean + std)[kept], color=colour, alpha=0.2, linewidth=0)
+        for i, run in enumerate(group["over_training"]):
+            if all(e["fraction_of_training"] is not None for e in run):
+                time_axis.plot([e["fraction_of_training"] for e in run], [e["effective_robustness"] for e in run],
+                               color=colour, alpha=0.7, label=label if i == 0 else None)
+    for axis in (binned_axis, time_axis):
+        axis.axhline(0.0, color="0.45", linestyle="--", linewidth=1)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    binned_axis.set(xlabel="ID top-1 (%)", ylabel="effective robustness (pp)",
+                    title=f"binned ER ({summary['bins']} bins; mean +- std over runs)")
+    time_axis.set(xlabel="fraction of training", ylabel="effective robustness (pp)", title="ER over training, every run")
+    b = summary["baseline"]
+    fig.suptitle(f"baseline: {b['name']} ({b['transform']})", fontsize=10)
     return png_bytes(fig)
 
 

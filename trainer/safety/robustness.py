@@ -1,19 +1,27 @@
-"""Effective robustness over training: every per-epoch checkpoint of one or more runs evaluated on
-an ID set and an OOD set, a baseline line in logit (or probit) space, ER per epoch.
+"""Effective robustness over training: every checkpoint of one or more runs (end of epoch and mid-epoch,
+`train.checkpoint_interval`) evaluated on an ID set and an OOD set, a baseline line in logit (or probit)
+space, ER per checkpoint against the fraction of training done.
 
-Writes `<run>/robustness_over_training.json` for every run and one chart with all runs (ER
-against ID accuracy, standard and anchored runs together).
+Writes `<run>/robustness_over_training.json` for every run, `<run>/robustness_over_training.npz`
+beside it (which examples each checkpoint gets right, one boolean row per checkpoint and set), and
+one chart with all runs.
 
 The OOD set is either an ImageFolder tree (`ood_root`; when it holds only some of the classes,
-predictions are restricted to those, the ImageNet-R protocol) or the ID set under seeded
-ImageNet-C corruptions at one severity (OOD accuracy = mean top-1 over the corruptions).
+predictions are restricted to those, the ImageNet-R protocol, and the ID accuracy is measured on the
+ID images of those classes with the same restriction: Andreassen et al.'s "subclassed" accuracy) or
+the ID set under seeded corruptions at one severity, with the checkpoint's `eval.corruption_parameters`
+(OOD accuracy = mean top-1 over the corruptions).
+
+The default baseline (`auto`) is a testbed line: the published one for the pair when there is one
+(trainer/safety/testbed_fits.json: CIFAR-10 -> CIFAR-10.1, ImageNet -> ImageNetV2), else a testbed fit
+file of this project (trainer/safety/testbed.py) measured on the same ID and OOD sets.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,26 +30,38 @@ import torch
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.pipeline.corruptions import check_corruption_names
+from fastanchor.pipeline.corruptions import CORRUPTIONS, check_corruption_names
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader
+from fastanchor.trainer.checkpoint import list_checkpoints
 from fastanchor.trainer.safety.effective_robustness import (
+    TESTBED_FITS,
     Baseline,
+    accuracy_on_unsolved_by_others,
     check_transform,
     clip_accuracy,
+    dominance_against,
     effective_robustness,
     fit_baseline,
+    matching_shipped_baseline,
     read_testbed,
+    read_testbed_file,
     shipped_baselines,
+    solved_among,
+    unsolved_by_testbed,
 )
 from fastanchor.trainer.safety.evaluate import collect, load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
 CHART_NAME = "robustness_over_training.png"
-DEFAULT_BASELINE = "standard-runs"
+DEFAULT_BASELINE = "auto"
+FIT_TO_RUNS = "fit-to-given-runs"
+TESTBED_FIT_NAME = "testbed_fit.json"
+TESTBED_CORRECT_NAME = "testbed_correct.npz"
+SHIPPED_TESTBEDS = TESTBED_FITS.with_name("testbeds")  # project testbed fit files shipped with fastanchor
 
 
 @dataclass
@@ -66,23 +86,28 @@ class RobustnessSpec:
         parse_baseline(self.baseline, self.transform)  # only the form here; fits need the data
 
 
-def epoch_checkpoints(run_dir: Path) -> list[Path]:
-    """runs/<run>/checkpoints/epoch_XXX.pt in epoch order."""
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """Every checkpoint of a run in run order: mid-epoch ones (train.checkpoint_interval) and epoch ends."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DataError(f"run directory '{run_dir}' does not exist")
-    found = sorted(RunFolder(run_dir).checkpoints.glob("epoch_*.pt"),
-                   key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    found = list_checkpoints(RunFolder(run_dir).checkpoints)
     if not found:
-        raise DataError(f"run directory '{run_dir}' has no per-epoch checkpoints: expected checkpoints/epoch_XXX.pt")
+        raise DataError(f"run directory '{run_dir}' has no checkpoints: expected checkpoints/epoch_XXX.pt "
+                        f"(and mid_epoch_XXX_step_XXXXXXXX.pt)")
     return found
 
 
+def baseline_choices() -> str:
+    return (f"{DEFAULT_BASELINE}, {FIT_TO_RUNS}, testbed:FILE (.json testbed fit or .csv), line:A,B or one of "
+            f"{', '.join(shipped_baselines())}")
+
+
 def parse_baseline(spec: str, transform: str) -> tuple[str, object]:
-    """(kind, argument) of a baseline spec: standard-runs, a shipped fit's name, testbed:CSV, line:A,B."""
+    """(kind, argument) of a baseline spec: auto, fit-to-given-runs, a shipped line's name, testbed:FILE, line:A,B."""
     shipped = shipped_baselines()
-    if spec == DEFAULT_BASELINE:
-        return "standard-runs", None
+    if spec in (DEFAULT_BASELINE, FIT_TO_RUNS):
+        return spec, None
     if spec in shipped:
         if shipped[spec].transform != transform:
             raise ConfigError(f"baseline {spec!r} is a {shipped[spec].transform} fit: use --transform {shipped[spec].transform}")
@@ -95,93 +120,207 @@ def parse_baseline(spec: str, transform: str) -> tuple[str, object]:
         except ValueError:
             raise ConfigError(f"baseline {spec!r}: expected line:A,B with two numbers") from None
         return "line", Baseline(a, b, transform, name=spec, source="given on the command line")
-    raise ConfigError(f"baseline {spec!r}: expected {DEFAULT_BASELINE}, testbed:FILE.csv, line:A,B or one of "
-                      f"{', '.join(shipped)}")
+    renamed = " (standard-runs is now called fit-to-given-runs)" if spec == "standard-runs" else ""
+    raise ConfigError(f"baseline {spec!r}{renamed}: expected {baseline_choices()}")
 
 
-def resolve_baseline(spec: str, transform: str, runs: list[dict]) -> Baseline:
+def pair_key(run: dict) -> dict:
+    """What identifies a run's ID/OOD pair (independent of where the data lies): compared with testbeds'."""
+    i, o = run["id_set"], run["ood_set"]
+    ood = {k: o.get(k) for k in ("kind", "corruptions", "severity", "parameters", "seed", "logit_mask", "digest", "images")}
+    return {"id": {"digest": i["digest"], "images": i["images"]}, "ood": ood}
+
+
+def describe_pair(run: dict) -> str:
+    o = run["ood_set"]
+    ood = (f"{'+'.join(o['corruptions'])}@{o['severity']} ({o['parameters']} parameters)" if o["kind"] == "corruption"
+           else f"'{o['root']}'")
+    return f"ID '{run['id_set']['root']}' ({run['id_set']['images']} images) -> OOD {ood}"
+
+
+def testbed_candidates(run_dirs: list[Path]) -> list[Path]:
+    """Testbed fit files the auto baseline may take: shipped ones (trainer/safety/testbeds/), and any found in,
+    or one or two folders below, the folder holding the runs and the folder above it."""
+    found = sorted(SHIPPED_TESTBEDS.glob("*.json")) if SHIPPED_TESTBEDS.is_dir() else []
+    if run_dirs:
+        holder = Path(os.path.commonpath([Path(r).resolve().parent for r in run_dirs]))
+        for folder in (holder, holder.parent):
+            for pattern in (TESTBED_FIT_NAME, f"*/{TESTBED_FIT_NAME}", f"*/*/{TESTBED_FIT_NAME}"):
+                found += [p for p in sorted(folder.glob(pattern)) if p not in found]
+    return found
+
+
+def testbed_baseline(path: Path, transform: str) -> tuple[Baseline, dict | None]:
+    """The line fitted through a testbed's models (a fit file or a CSV), and the fit file's content (JSON only)."""
+    id_acc, ood_acc = read_testbed(path)
+    data = read_testbed_file(path) if path.suffix == ".json" else None
+    if data is not None:
+        data["path"] = str(path)
+    line = fit_baseline(id_acc, ood_acc, transform, name=f"testbed {path.name}",
+                        source=f"least squares in {transform} space over the {len(id_acc)} models of testbed {path}")
+    return line, data
+
+
+def resolve_baseline(spec: str, transform: str, runs: list[dict], run_dirs: list[Path] = ()) -> tuple[Baseline, dict | None]:
+    """The baseline line, and the testbed fit file's content when the line comes from one."""
     kind, argument = parse_baseline(spec, transform)
     if kind in ("shipped", "line"):
-        return argument
+        return argument, None
     if kind == "testbed":
-        id_acc, ood_acc = read_testbed(argument)
-        return fit_baseline(id_acc, ood_acc, transform, name=f"testbed {Path(argument).name}",
-                            source=f"least squares in {transform} space over {len(id_acc)} models of {argument}")
+        path = Path(argument)
+        line, data = testbed_baseline(path, transform)
+        if data is not None and data.get("pair") != pair_key(runs[0]):
+            raise ConfigError(f"testbed '{path}' was measured on {data.get('pair_description', 'other sets')}, these runs on "
+                              f"{describe_pair(runs[0])}: evaluate on the testbed's sets, or choose another --baseline")
+        return line, data
+    if kind == DEFAULT_BASELINE:
+        o = runs[0]["ood_set"]
+        shipped = matching_shipped_baseline(runs[0]["id_set"]["classes"], o["root"] if o["kind"] == "dataset" else None)
+        if shipped is not None and shipped.transform == transform:
+            return shipped, None
+        for path in testbed_candidates(run_dirs):
+            try:
+                data = read_testbed_file(path)
+            except DataError:
+                continue
+            if data.get("pair") == pair_key(runs[0]):
+                return testbed_baseline(path, transform)
+        raise ConfigError(f"no published or testbed line for {describe_pair(runs[0])} in {transform} space: choose "
+                          f"--baseline testbed:FILE (fastanchor reproduce er-testbed measures one), {FIT_TO_RUNS}, "
+                          f"line:A,B or one of {', '.join(shipped_baselines())}")
     standard = [r for r in runs if not r["anchored"]]
     if not standard:
-        raise ConfigError("the default baseline is fitted to the standard runs' epochs, but every run given is anchored: "
-                          "add a standard run, or choose --baseline testbed:FILE.csv, line:A,B or a shipped fit")
+        raise ConfigError(f"--baseline {FIT_TO_RUNS} fits the line to the standard runs' checkpoints, but every run given "
+                          f"is anchored: add a standard run, or choose --baseline testbed:FILE, line:A,B or a shipped line")
     points = [(e["id_clipped"], e["ood_clipped"]) for r in standard for e in r["epochs"]]
     id_acc, ood_acc = np.array(points).T
     try:
-        return fit_baseline(id_acc, ood_acc, transform, name="standard runs",
-                            source=f"least squares in {transform} space over the {len(points)} per-epoch checkpoints of "
-                                   f"the standard run(s) {', '.join(r['run'] for r in standard)}")
+        return fit_baseline(id_acc, ood_acc, transform, name="fit to given runs",
+                            source=f"least squares in {transform} space over the {len(points)} checkpoints of the "
+                                   f"standard run(s) {', '.join(r['run'] for r in standard)} (not a testbed)"), None
     except ValueError:
-        raise ConfigError(f"cannot fit a baseline to the standard runs' epochs: their ID accuracies "
+        raise ConfigError(f"cannot fit a baseline to the standard runs' checkpoints: their ID accuracies "
                           f"{sorted({e['id_top1'] for r in standard for e in r['epochs']})} need two different values "
                           f"(train more epochs, or choose another --baseline)") from None
 
 
-def top1(logits: torch.Tensor, labels: torch.Tensor, classes: list[int] | None = None) -> float:
-    """Top-1 (%); with `classes`, predictions are restricted to those class indices (a logit mask)."""
+def correct(logits: torch.Tensor, labels: torch.Tensor, classes: list[int] | None = None) -> torch.Tensor:
+    """Which predictions are right (bool); with `classes`, predictions are restricted to those class indices."""
     if classes is not None:
         keep = torch.tensor(classes, dtype=torch.long)
         predicted = keep[logits[:, keep].argmax(-1)]
     else:
         predicted = logits.argmax(-1)
-    return 100.0 * float((predicted == labels).double().mean())
+    return predicted == labels
 
 
-def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.device) -> tuple[dict, dict]:
-    """ID and OOD top-1 of one checkpoint: (the epoch's record, a description of the run and its sets)."""
+def top1(logits: torch.Tensor, labels: torch.Tensor, classes: list[int] | None = None) -> float:
+    """Top-1 (%); with `classes`, predictions are restricted to those class indices (a logit mask)."""
+    return 100.0 * float(correct(logits, labels, classes).double().mean())
+
+
+def set_digest(index: ImageFolderIndex, rows: list[int] | None = None) -> str:
+    """A digest of a set's images by class folder and file name (not where the tree lies), and their labels."""
+    digest = hashlib.sha256()
+    for i in rows if rows is not None else range(len(index)):
+        path, label = index.samples[i]
+        digest.update(f"{Path(path).parent.name}/{Path(path).name}:{label}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.device) -> tuple[dict, dict, dict]:
+    """ID and OOD top-1 of one checkpoint: (its record, a description of the run and its sets, which examples
+    it gets right: {"id": bool array, "ood": bool array})."""
     model, config, state = load_for_inference(path, device, spec.overrides)
     progress = config.train.progress
-    anchored, d = config.anchor.enabled, config.data
+    anchored, d, e = config.anchor.enabled, config.data, config.eval
     classes = tuple(state["classes"])
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     id_index = scan_image_folder(spec.id_root or Path(d.root) / d.val_split, classes)
 
     def run(index: ImageFolderIndex, corruption: Corruption | None, desc: str) -> dict:
         return collect(model, eval_loader(d, index, device, corruption), anchored=anchored, references=references,
-                       num_references=1, seed=config.eval.seed, desc=desc, progress=progress)
+                       num_references=1, seed=e.seed, desc=desc, progress=progress)
 
+    steps_per_epoch, step = state["steps_per_epoch"], state["step"]
+    record = {"epoch": round(step / steps_per_epoch, 4), "step": step,
+              "fraction_of_training": round(step / (steps_per_epoch * config.train.epochs), 6),
+              "end_of_epoch": bool(state.get("end_of_epoch", True)), "checkpoint": str(path)}
     clean = run(id_index, None, f"{path.stem} ID")
-    record = {"epoch": state.get("epoch"), "checkpoint": str(path), "id_top1": top1(clean["logits"], clean["labels"])}
+    id_rows, mask = list(range(len(id_index))), None
     if spec.ood_root:
         ood_index = scan_image_folder(spec.ood_root, classes)
         present = sorted({label for _, label in ood_index.samples})
-        mask = present if len(present) < len(classes) else None
+        if len(present) < len(classes):  # the OOD set's classes only, for OOD and ID alike ("subclassed")
+            mask = present
+            id_rows = [i for i, (_, label) in enumerate(id_index.samples) if label in set(present)]
+            if not id_rows:
+                raise DataError(f"ID set '{id_index.root}' has no image of the OOD set's classes {[classes[i] for i in present]}")
+            record["id_top1_all_classes"] = top1(clean["logits"], clean["labels"])
         ood = run(ood_index, None, f"{path.stem} OOD")
-        record["ood_top1"] = top1(ood["logits"], ood["labels"], mask)
+        ood_correct = correct(ood["logits"], ood["labels"], mask)
+        record["ood_top1"] = 100.0 * float(ood_correct.double().mean())
         ood_set = {"kind": "dataset", "root": str(ood_index.root), "images": len(ood_index),
-                   "logit_mask": None if mask is None else [classes[i] for i in mask]}
+                   "logit_mask": None if mask is None else [classes[i] for i in mask], "digest": set_digest(ood_index)}
     else:
-        names = spec.corruptions or list(config.eval.corruptions)
+        names = spec.corruptions or list(e.corruptions)
         if not names:
             raise ConfigError(f"checkpoint '{path}' lists no eval.corruptions: give --corruption NAME or --ood-root DIR")
-        values = []
+        check_corruption_names(names, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
+        values, hits = [], []
         for name in names:
-            out = run(id_index, Corruption(name, spec.severity, config.eval.seed), f"{path.stem} {name}@{spec.severity}")
-            values.append(top1(out["logits"], out["labels"]))
+            out = run(id_index, Corruption(name, spec.severity, e.seed, e.corruption_parameters),
+                      f"{path.stem} {name}@{spec.severity}")
+            hits.append(correct(out["logits"], out["labels"]))
+            values.append(100.0 * float(hits[-1].double().mean()))
+        ood_correct = torch.cat(hits)
         record["ood_top1"] = float(np.mean(values))
         record["ood_top1_per_corruption"] = dict(zip(names, values))
-        ood_set = {"kind": "corruption", "corruptions": names, "severity": spec.severity, "root": str(id_index.root),
-                   "images": len(id_index)}
-    record["id_clipped"] = float(clip_accuracy(record["id_top1"] / 100.0, len(id_index)))
+        ood_set = {"kind": "corruption", "corruptions": names, "severity": spec.severity,
+                   "parameters": e.corruption_parameters, "seed": e.seed, "root": str(id_index.root),
+                   "images": len(id_index) * len(names), "digest": set_digest(id_index)}
+    id_correct = correct(clean["logits"], clean["labels"], mask)[id_rows]
+    record["id_top1"] = 100.0 * float(id_correct.double().mean())
+    record["id_clipped"] = float(clip_accuracy(record["id_top1"] / 100.0, len(id_rows)))
     record["ood_clipped"] = float(clip_accuracy(record["ood_top1"] / 100.0, ood_set["images"]))
-    about = {"anchored": anchored, "model": config.model.name, "id_set": {"root": str(id_index.root), "images": len(id_index)},
+    about = {"anchored": anchored, "model": config.model.name,
+             "id_set": {"root": str(id_index.root), "images": len(id_rows), "classes": list(classes),
+                        "subclassed": mask is not None, "digest": set_digest(id_index, id_rows)},
              "ood_set": ood_set}
-    return record, about
+    return record, about, {"id": id_correct.numpy(), "ood": ood_correct.numpy()}
 
 
-def evaluate_run(run_dir: Path, spec: RobustnessSpec, device: torch.device) -> dict:
-    """ID and OOD top-1 of every per-epoch checkpoint of one run."""
-    records, about = [], {}
-    for path in epoch_checkpoints(run_dir):
-        record, about = evaluate_checkpoint_sets(path, spec, device)
+def evaluate_run(run_dir: Path, spec: RobustnessSpec, device: torch.device) -> tuple[dict, dict]:
+    """ID and OOD top-1 of every checkpoint of one run, and which examples each gets right
+    ({"id": bool [checkpoints, examples], "ood": ...})."""
+    records, about, rows = [], {}, {"id": [], "ood": []}
+    for path in run_checkpoints(run_dir):
+        record, about, hits = evaluate_checkpoint_sets(path, spec, device)
         records.append(record)
-    return {"run": Path(run_dir).name, "run_dir": str(Path(run_dir).resolve()), **about, "epochs": records}
+        for key in rows:
+            rows[key].append(hits[key])
+    correctness = {key: np.stack(value) for key, value in rows.items()}
+    return {"run": Path(run_dir).name, "run_dir": str(Path(run_dir).resolve()), **about, "epochs": records}, correctness
+
+
+def add_per_example_analyses(run: dict, correctness: dict, testbed: dict, testbed_correct: dict) -> None:
+    """Andreassen et al. section 5.4 per checkpoint: the dominance probability against every testbed model
+    (mean and max) and the accuracy on the examples no testbed model gets right, on the ID and OOD sets."""
+    for key in ("id", "ood"):
+        unsolved = unsolved_by_testbed(testbed_correct[key])
+        for record, row in zip(run["epochs"], correctness[key]):
+            dominance = dominance_against(row, testbed_correct[key])
+            solved, count = solved_among(row, unsolved)
+            record.setdefault("per_example", {})[key] = {
+                "dominance_mean": float(dominance.mean()), "dominance_max": float(dominance.max()),
+                "unsolved_by_testbed": count, "solved_of_unsolved": solved,
+                "accuracy_on_unsolved": solved / count if count else None}
+    run["testbed_per_example"] = {key: {"unsolved_by_testbed": int(unsolved_by_testbed(testbed_correct[key]).sum()),
+                                        "testbed_accuracy_on_unsolved_by_others":
+                                            [None if np.isnan(v) else float(v)
+                                             for v in accuracy_on_unsolved_by_others(testbed_correct[key])]}
+                                  for key in ("id", "ood")}
+    run["testbed"] = testbed.get("path")
 
 
 def add_effective_robustness(runs: list[dict], baseline: Baseline) -> None:
@@ -202,9 +341,29 @@ def default_chart_path(run_dirs: list[Path]) -> Path:
     return Path(os.path.commonpath(resolved)) / CHART_NAME
 
 
+def load_testbed_correct(testbed: dict | None) -> dict | None:
+    """The testbed models' per-example correctness (testbed_correct.npz beside its fit file), when there."""
+    if not testbed or not testbed.get("path"):
+        return None
+    path = Path(testbed["path"]).with_name(TESTBED_CORRECT_NAME)
+    if not path.is_file():
+        return None
+    with np.load(path) as data:
+        return {"id": data["id_correct"], "ood": data["ood_correct"]}
+
+
+def write_correctness(path: Path, run: dict, correctness: dict) -> None:
+    """Which examples each checkpoint gets right: bool [checkpoints, examples] per set, with the checkpoints' names."""
+    def save(handle):
+        np.savez_compressed(handle, checkpoints=np.array([Path(e["checkpoint"]).name for e in run["epochs"]]),
+                            steps=np.array([e["step"] for e in run["epochs"]]),
+                            id_correct=correctness["id"], ood_correct=correctness["ood"])
+    atomic_write_bytes(path, save)
+
+
 def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device: str = "auto",
                              chart: Path | None = None) -> tuple[list[dict], Path]:
-    """Evaluate every run, fit or take the baseline, write each run's JSON and the joint chart."""
+    """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart."""
     from fastanchor.trainer.safety.plots import effective_robustness_chart, run_label, write_png
 
     spec.check()
@@ -212,19 +371,31 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     if len(set(names)) != len(names):
         raise ConfigError(f"runs {names}: the run directories need different names (they label the chart)")
     target = resolve_device(device)
-    runs = [evaluate_run(Path(r), spec, target) for r in run_dirs]
-    baseline = resolve_baseline(spec.baseline, spec.transform, runs)
+    evaluated = [evaluate_run(Path(r), spec, target) for r in run_dirs]
+    runs = [run for run, _ in evaluated]
+    for run in runs[1:]:
+        if pair_key(run) != pair_key(runs[0]):
+            raise ConfigError(f"run '{run['run']}' is evaluated on {describe_pair(run)}, run '{runs[0]['run']}' on "
+                              f"{describe_pair(runs[0])}: one baseline needs the same sets for every run")
+    baseline, testbed = resolve_baseline(spec.baseline, spec.transform, runs, [Path(r) for r in run_dirs])
     add_effective_robustness(runs, baseline)
+    testbed_correct = load_testbed_correct(testbed)
+    if testbed_correct is not None:
+        for run, (_, correctness) in zip(runs, evaluated):
+            add_per_example_analyses(run, correctness, testbed, testbed_correct)
     chart = Path(chart) if chart else default_chart_path(run_dirs)
     series = [{"label": run_label(r["run"], r["anchored"]), "anchored": r["anchored"],
                "epochs": r["epochs"]} for r in runs]
     ood = runs[0]["ood_set"]
     ood_name = (f"{'+'.join(ood['corruptions'])}@{ood['severity']}" if ood["kind"] == "corruption"
                 else Path(ood["root"]).name)
-    write_png(chart, effective_robustness_chart(series, baseline.to_dict(),
+    points = [(100 * m["id_clipped"], 100 * m["ood_clipped"]) for m in testbed["models"]] if testbed else None
+    write_png(chart, effective_robustness_chart(series, baseline.to_dict(), testbed_points=points,
                                                 title=f"ID: {Path(runs[0]['id_set']['root']).name}, OOD: {ood_name}"))
-    for run_dir, run in zip(run_dirs, runs):
+    for run_dir, run, (_, correctness) in zip(run_dirs, runs, evaluated):
         run["chart"] = os.path.relpath(chart, Path(run_dir).resolve())
+        run["correct"] = RunFolder(run_dir).robustness.with_suffix(".npz").name
+        write_correctness(RunFolder(run_dir).robustness.with_suffix(".npz"), run, correctness)
         text = json.dumps(run, indent=2).encode()
         atomic_write_bytes(RunFolder(run_dir).robustness, lambda handle, text=text: handle.write(text))
     return runs, chart
