@@ -36,6 +36,7 @@ import math
 import os
 import shutil
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
@@ -500,7 +501,11 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
     if root.exists() or root.is_symlink():
         manifest = _read_manifest(root) if root.is_dir() else None
         if _matches(manifest, spec):
-            _add_missing_splits(root, spec, manifest, progress, workers)
+            try:
+                _add_missing_splits(root, spec, manifest, progress, workers)
+            except OSError as error:  # e.g. a read-only dataset: usable as it is, without the new split
+                warnings.warn(f"{root}: could not add the splits this version adds ({error}); the dataset is used "
+                              f"as it is, and evaluation reads a split only where it exists", stacklevel=2)
             return root
         if not root.is_dir() or any(root.iterdir()):
             raise _refuse(root, manifest, spec)

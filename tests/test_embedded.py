@@ -354,3 +354,20 @@ def test_concurrent_finisher_wins(tmp_path, monkeypatch, same_spec):
             generate_embedded_dataset(root, TINY, progress=False)
     assert json.loads((root / "manifest.json").read_text())["spec"]["seed"] == (0 if same_spec else 5)
     assert leftover_temp_dirs(tmp_path, "race") == []
+
+
+def test_a_dataset_that_cannot_take_the_texture_split_is_used_as_it_is(tmp_path):
+    """Adding the split fails (here a file stands where its folder would go, as a read-only folder would make the
+    writes fail): a warning, the dataset used as it is, nothing changed and no temporary left."""
+    root = generate_embedded_dataset(tmp_path / "blocked", TINY, progress=False)
+    shutil.rmtree(root / TEXTURE_SPLIT)
+    manifest = json.loads((root / "manifest.json").read_text())
+    for key in ("classes", "counts"):
+        del manifest[key][TEXTURE_SPLIT]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    (root / TEXTURE_SPLIT).write_text("in the way")
+    before = file_digests(root)
+    with pytest.warns(UserWarning, match="could not add the splits"):
+        assert generate_embedded_dataset(root, TINY, progress=False) == root
+    assert file_digests(root) == before and sorted(p.name for p in root.iterdir()) == sorted(
+        ["manifest.json", "ood", "ood_textures", "train", "val"])
