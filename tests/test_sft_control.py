@@ -99,3 +99,31 @@ def test_the_sweep_runs_control_and_project_from_one_checkpoint_and_they_agree_b
         for name, value in ours["before"]["energy_auroc"].items():
             assert value == pytest.approx(theirs["before"]["energy_auroc"][name], abs=1e-3)
     assert set(result["control"]["after"]) == {"top1", "energy_auroc/ood", "energy_auroc/ood_textures"}
+
+
+def test_the_pseudo_ood_and_jigsaw_sets_are_permutations_of_validation_images_and_evaluate_reads_them(tiny_dataset, tmp_path):
+    from PIL import Image
+    from fastanchor.benchmarks.sft_ood_sets import write_sets
+
+    folders = write_sets(tiny_dataset, tmp_path / "sets", count=10, seed=1)
+    assert [f.name for f in folders] == ["pseudo_ood", "jigsaw4"]
+    sources = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((tiny_dataset / "val").rglob("*.jpg"))]
+    value_sets = {tuple(np.sort(s, axis=None)) for s in sources}
+    channel_sums = {tuple(s.reshape(-1, 3).sum(0).tolist()) for s in sources}
+    for folder in folders:
+        files = sorted((folder / folder.name).glob("*.png"))
+        assert len(files) == 10
+        for path in files:
+            image = np.asarray(Image.open(path))
+            assert tuple(np.sort(image, axis=None)) in value_sets  # a permutation of one validation image's values
+            if folder.name == "jigsaw4":  # no channel shuffle: each channel keeps its sum
+                assert tuple(image.reshape(-1, 3).sum(0).tolist()) in channel_sums
+    with pytest.raises(Exception, match="already exists"):
+        write_sets(tiny_dataset, tmp_path / "sets", count=10)
+
+    trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "std", "anchor.enabled": "false"}))
+    assert trained.returncode == 0, trained.stderr
+    evaluated = run_main("evaluate", "--checkpoint", tmp_path / "std" / "final.pt", "--set", "eval.plots=false", "--set",
+                         f"eval.ood_sets=[pseudo_ood={folders[0]},jigsaw4={folders[1]}]")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads((tmp_path / "std" / "eval.json").read_text())["ood"]["over"] == ["ood", "pseudo_ood", "jigsaw4"]
