@@ -65,12 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser(
         "evaluate", help="evaluate a checkpoint: inference protocols, generalisation, calibration, anomaly rejection",
-        description="Writes <run>/eval.json and plots under <run>/plots/: ID top-1/top-5 with 1 and K references and "
-                    "BLT (time per 1000 images each); top-1, smoothed and binned ECE per shift set (eval.corruptions, "
+        description="Writes <run>/eval.json and plots under <run>/plots/: top-1/top-5 with 1 and K references and "
+                    "BLT on the ID split and every shift set (time per 1000 images each, eval.blt_sets); top-1, "
+                    "smoothed and binned ECE per shift set (eval.corruptions, "
                     "eval.corruptions_bar on the fly; eval.c_root, eval.c_bar_root, eval.cifar_c_root, eval.imagenet_r, "
                     "eval.datasets when given) with their mean +- std; AUROC, AUPR and FPR95 of the energy, MSP, "
-                    "MaxLogit, ReAct and anchored-std scores on data.ood_split and eval.ood_sets (positive class: "
-                    "eval.ood_positive, named in the output).",
+                    "MaxLogit, ReAct and anchored-std scores on data.ood_split and eval.ood_sets (one reference per sample "
+                    "unless eval.ood_references; positive class: eval.ood_positive, named in the output).",
         epilog="--set accepts data.* and eval.* options; the rest come from the checkpoint.\n" + options,
         formatter_class=formatter)
     evaluate.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) written by fastanchor train")
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--alpha", type=float, default=0.4, help="reference-masking probability of the anchored probe (default: 0.4, the paper's)")
     probe.add_argument("--views", type=int, default=4, help="reference draws per training image for the anchored probe (default: 4)")
     probe.add_argument("--l2", type=float, default=1e-3, help="weight penalty l2/2 ||W||^2 added to the mean loss (default: 1e-3)")
-    probe.add_argument("--reference-pool", type=int, default=1000, help="training images the anchored probe draws references from (default: 1000)")
+    probe.add_argument("--reference-pool", type=int, default=1000, help="references drawn from --train-root when it is not the run's own (default: 1000)")
     probe.add_argument("--seed", type=int, default=0, help="seed of reference draws and corruptions (default: 0)")
     probe.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     probe.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=CHECKPOINT_SET_HELP)

@@ -14,9 +14,11 @@ from fastanchor.errors import DataError
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, normalize
 from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, subset
 from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
 from fastanchor.trainer.build import shift_sets
 from fastanchor.trainer.config import Config
+from fastanchor.trainer.inference import predict
 from fastanchor.trainer.safety.evaluate import Outputs, load_for_inference
 from fastanchor.trainer.metrics import auroc, fpr_at_tpr
 from PIL import Image
@@ -83,6 +85,35 @@ def test_anchored_model_on_every_kind_of_set(runs, sources, tiny_dataset):
     # the same images through the same seeded protocol give the ID numbers, whatever the layout they are read from
     for name in ("val-copy", "imagenet-c-files/gaussian_noise@3", "imagenet-c-bar-files/sparkles@3", "cifar-c/frost@3"):
         assert shifts[name]["top1"] == ident["top1"] and shifts[name]["smece"] == pytest.approx(ident["smece"], abs=1e-9)
+        for protocol in ("one_reference", "k3", "blt"):  # and so does every protocol
+            assert shifts[name]["by_protocol"][protocol]["top1"] == ident["by_protocol"][protocol]["top1"]
+
+    # every protocol on every set, each with its time per 1000 images
+    assert ident["by_protocol"]["k3"]["top1"] == ident["top1_k3"] and ident["by_protocol"]["blt"]["top1"] == ident["top1_blt"]
+    for values in [ident, *shifts.values()]:
+        assert set(values["by_protocol"]) == {"one_reference", "k3", "blt"}
+        for numbers in values["by_protocol"].values():
+            assert {"top1", "top5", "smece", "ece", "ms_per_1000"} <= set(numbers) and numbers["ms_per_1000"] > 0
+    for name, values in shifts.items():  # the flat numbers are the one-reference protocol's
+        assert values["top1"] == values["by_protocol"]["one_reference"]["top1"]
+    summary = result["by_protocol"]
+    assert set(summary) == {"one_reference", "k3", "blt"} and summary["k3"]["references"] == 3
+    for protocol, about in summary.items():
+        assert about["sets"] == ["validation", *shifts, *(["ood", "ood-again"] if protocol != "blt" else [])]
+        assert about["id_top1"] == ident["by_protocol"][protocol]["top1"]
+        assert about["ms_per_1000"]["id"] == ident["by_protocol"][protocol]["ms_per_1000"]
+        timing = about["ms_per_1000"]
+        assert list(timing["per_set"]) == about["sets"] and timing["per_set"]["validation"] == timing["id"]
+        assert all(timing["per_set"][s] == shifts[s]["by_protocol"][protocol]["ms_per_1000"] for s in shifts)
+        assert timing["images"] == 12 * len(about["sets"])  # every set has 12 images here: the pooled time is their mean
+        assert timing["pooled"] == pytest.approx(np.mean(list(timing["per_set"].values())))
+        corrupted = [shifts[s]["by_protocol"][protocol]["top1"] for s in shifts if shifts[s]["kind"] == "corruption"]
+        assert about["corruption_mean_top1"] == pytest.approx(np.mean(corrupted))
+        for benchmark, by_severity in about["severity_mean_top1"].items():
+            expected = [shifts[s]["by_protocol"][protocol]["top1"] for s in shifts
+                        if shifts[s]["kind"] == "corruption" and shifts[s]["benchmark"] == benchmark]
+            assert by_severity == {"3": pytest.approx(np.mean(expected))}
+    assert summary["one_reference"]["severity_mean_top1"] == result["severity_mean_top1"]
     assert shifts["cifar-c/frost@3"]["benchmark"] == "cifar-c" and shifts["val-copy"]["kind"] == "dataset"
     assert shifts["sparkles@3"]["benchmark"] == "imagenet-c-bar" and shifts["sparkles@3"]["severity"] == 3
 
@@ -96,6 +127,8 @@ def test_anchored_model_on_every_kind_of_set(runs, sources, tiny_dataset):
 
     ood = result["ood"]
     assert ood["positive"] == "id" and "ID is the positive class" in ood["convention"]
+    assert ood["protocol"] == "one_reference"  # the paper's: one random reference per sample
+    assert ood["score_protocols"] == {**dict.fromkeys(("energy", "msp", "maxlogit", "react"), "one_reference"), "anchored_std": "k3"}
     scores = {"energy", "msp", "maxlogit", "react", "anchored_std"}
     assert set(ood["auroc"]) == scores and set(ood["sets"]) == {"ood", "ood-again"}
     assert ood["sets"]["ood"] == ood["sets"]["ood-again"]  # the same folder under two names
@@ -137,6 +170,27 @@ def test_standard_model_and_the_ood_positive_convention(runs, tiny_dataset):
         np.testing.assert_allclose(stored["id/energy"], torch.logsumexp(logits, 1).numpy(), rtol=1e-5)
         np.testing.assert_allclose(stored["id/maxlogit"], logits.max(1).values.numpy(), rtol=1e-5)
         np.testing.assert_allclose(stored["id/msp"], logits.softmax(1).max(1).values.numpy(), rtol=1e-5)
+
+
+def test_anomaly_scores_over_k_references_and_blt_on_the_id_split_only(runs, tiny_dataset):
+    result = evaluate(runs / "anchored", *overrides(**FEW, **{
+        "eval.corruptions": "[contrast]", "eval.corruptions_bar": "[]", "eval.plots": "false",
+        "eval.ood_references": 2, "eval.blt_sets": "id"}))
+    ood = result["ood"]
+    assert ood["protocol"] == "k2" and set(ood["score_protocols"].values()) == {"k2"}  # the std score too
+    assert set(result["id"]["by_protocol"]) == {"one_reference", "k3", "blt", "k2"}
+    assert set(result["shifts"]["contrast@3"]["by_protocol"]) == {"one_reference", "k3"}
+    assert result["by_protocol"]["blt"]["sets"] == ["validation"] and result["by_protocol"]["blt"]["corruption_mean_top1"] is None
+    assert result["by_protocol"]["k2"]["sets"] == ["validation", "ood"]
+    # the ID scores are the mean logits over 2 references (the 12 images are one batch: the same seeded draws)
+    model, config, state = load_for_inference(runs / "anchored" / "final.pt", torch.device("cpu"))
+    images = subset(DecodedImages(scan_image_folder(tiny_dataset / "val"), eval_transform(32, config.data.crop_ratio)), 12, 0)
+    batch = torch.stack([images[i][0] for i in range(len(images))])
+    prediction = predict(model, batch, anchored=True, references=FixedReferenceSet(state["reference_images"]),
+                         num_references=2, generator=torch.Generator().manual_seed(0))
+    with np.load(runs / "anchored" / ood["scores_file"]) as stored:
+        np.testing.assert_allclose(stored["id/energy"], torch.logsumexp(prediction.logits.double(), 1).numpy(), rtol=1e-5)
+        np.testing.assert_allclose(stored["id/anchored_std"], -prediction.std.double().numpy(), atol=1e-6)
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -13,7 +13,7 @@ import torch
 from browser import image_states
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.trainer.build import eval_loader, reference_images
+from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.safety.evaluate import load_for_inference
 from fastanchor.trainer.safety.linear_probe import (
     feature_extractor,
@@ -147,12 +147,12 @@ def test_robustness_on_a_class_subset_with_a_shipped_baseline_and_bad_input(runs
 
 
 def probe_features(runs, kind, views):
-    model, config, _ = load_for_inference(runs / kind / "final.pt", torch.device("cpu"))
+    model, config, state = load_for_inference(runs / kind / "final.pt", torch.device("cpu"))
     extract, _ = feature_extractor(model)
     train_index = scan_image_folder(Path(config.data.root) / config.data.train_split)
     val_index = scan_image_folder(Path(config.data.root) / config.data.val_split, train_index.classes)
     anchored = config.anchor.enabled
-    pool = reference_images(config.data, train_index, 1000, 0) if anchored else None
+    pool = state["reference_images"] if anchored else None  # the command's pool on the run's own training split
     generator = torch.Generator().manual_seed(0)
     common = {"anchored": anchored, "pool": pool, "generator": generator, "desc": "", "progress": False}
     train = features_of(extract, eval_loader(config.data, train_index, torch.device("cpu")), views=views,

@@ -119,6 +119,33 @@ def test_every_section_with_hand_computed_values(tmp_path):
     assert len(images) == len(figures) and all(i["complete"] and i["width"] > 0 for i in images), images
 
 
+def test_inference_protocols_on_every_set_beside_a_result_written_before_them(tmp_path):
+    standard, anchored = make_runs(tmp_path)
+    evaluation = json.loads((anchored / "eval.json").read_text())
+    curve = {"imagenet-c": {"1": 76.0, "5": 38.5}}
+    evaluation["by_protocol"] = {
+        "one_reference": {"id_top1": 79.5, "severity_mean_top1": curve, "corruption_mean_top1": 57.25,
+                          "ms_per_1000": {"id": 120.0, "pooled": 130.0}},
+        "k5": {"id_top1": 80.0, "severity_mean_top1": {"imagenet-c": {"1": 77.0, "5": 40.0}}, "corruption_mean_top1": 58.5,
+               "ms_per_1000": {"id": 600.0, "pooled": 640.5}},
+        "blt": {"id_top1": 79.0, "severity_mean_top1": {}, "corruption_mean_top1": None, "ms_per_1000": {"id": 900.0, "pooled": 900.0}}}
+    evaluation["ood"]["scores_from"] = "one random reference per sample (protocol one_reference)"
+    write(anchored / "eval.json", evaluation)
+    result = run_main("report", standard, anchored)
+    assert result.returncode == 0, result.stderr
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Inference protocols on every set" in md
+    # the standard run's eval.json predates by_protocol: its cells are empty, the anchored run's are its numbers
+    assert row(md, "1 reference: ID top-1 (%)") == ["–", "79.50", "–"]
+    assert row(md, "1 reference: imagenet-c, severity 5 (%)") == ["–", "38.50", "–"]
+    assert row(md, "K references (K: 5 / 5): imagenet-c, severity 1 (%)") == ["–", "77.00", "–"]
+    assert row(md, "K references (K: 5 / 5): corruptions, mean over all (%)") == ["–", "58.50", "–"]
+    assert row(md, "K references (K: 5 / 5): ms per 1000 images, every set it ran on") == ["–", "640.5", ""]  # no delta
+    assert row(md, "BLT: ID top-1 (%)") == ["–", "79.00", "–"]
+    assert not [line for line in md.splitlines() if line.startswith("| BLT: imagenet-c")]  # BLT ran on the ID split only
+    assert "Scores from: resnet50-anchored: one random reference per sample (protocol one_reference)." in md
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     for args, message in (([tmp_path / "missing"], "does not exist"), ([tmp_path], "has no result files")):
         result = run_main("report", *args)

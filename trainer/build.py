@@ -193,13 +193,56 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
                              workers=data.workers, device=device, rank=rank, world_size=world_size)
 
 
+def reference_indices(population: int, count: int, seed: int) -> list[int]:
+    """`count` positions out of range(`population`) drawn without replacement (all of them, permuted, when
+    `count` >= `population`), seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(population, generator=generator)[: min(count, population)].tolist()
+
+
+def decode_references(data: DataConfig, index: ImageFolderIndex, positions: list[int]) -> torch.Tensor:
+    """The training images at `positions` of the index, eval-decoded once: uint8 [R, 3, H, W], channels-last."""
+    transform = eval_transform(data.image_size, data.crop_ratio)
+    images = [transform(load_rgb(index.samples[i][0])) for i in positions]
+    return torch.stack(images).contiguous(memory_format=torch.channels_last)
+
+
 def reference_images(data: DataConfig, index: ImageFolderIndex, count: int, seed: int) -> torch.Tensor:
     """`count` training images drawn without replacement, eval-decoded once: uint8 [R, 3, H, W]."""
-    generator = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(len(index), generator=generator)[: min(count, len(index))]
-    transform = eval_transform(data.image_size, data.crop_ratio)
-    images = [transform(load_rgb(index.samples[i][0])) for i in chosen.tolist()]
-    return torch.stack(images).contiguous(memory_format=torch.channels_last)
+    return decode_references(data, index, reference_indices(len(index), count, seed))
+
+
+@dataclass
+class InferenceReferences:
+    """The inference reference set a checkpoint carries, and where it comes from (`origin`, saved beside it)."""
+    images: torch.Tensor  # uint8 [R, 3, H, W]
+    origin: dict  # source, training_indices (positions in the training index), training_images, reference_set_size
+
+
+def inference_references(data: DataConfig, train_index: ImageFolderIndex, *, references: str, cap: int, seed: int,
+                         fixed_positions: list[int] | None = None, fixed_images: torch.Tensor | None = None) -> InferenceReferences:
+    """What every evaluating command anchors test images against, drawn from the training reference set R.
+
+    references = fixed: R is the fixed set (`fixed_positions` of the training index, decoded as
+    `fixed_images`); the inference set is all of R when |R| <= `cap`, else `cap` images of R drawn
+    with `seed` (the very tensors training paired with, bitwise). derangement or bank: R is the
+    training set; `cap` training images drawn with `seed`.
+    """
+    if references == "fixed":
+        if len(fixed_positions) <= cap:
+            chosen = list(range(len(fixed_positions)))
+        else:
+            chosen = sorted(reference_indices(len(fixed_positions), cap, seed))
+        images = fixed_images[torch.tensor(chosen, device=fixed_images.device)].cpu()
+        images = images.contiguous(memory_format=torch.channels_last)
+        positions = [fixed_positions[i] for i in chosen]
+        source, size = "the fixed training reference set R (anchor.references = fixed)", len(fixed_positions)
+    else:
+        positions = reference_indices(len(train_index), cap, seed)
+        images = decode_references(data, train_index, positions)
+        source, size = f"a sample of the training set (R = D, anchor.references = {references})", len(train_index)
+    return InferenceReferences(images, {"source": source, "training_indices": positions,
+                                        "training_images": len(train_index), "reference_set_size": size})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,6 +381,7 @@ class Training:
     val_loader: object
     steps_per_epoch: int
     references: FixedReferenceSet  # the inference references saved with every checkpoint
+    reference_origin: dict | None  # where they come from (InferenceReferences.origin), saved beside them
     stage: AnchoringStage
     step: TrainStep
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -362,9 +406,13 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
     if point is not None and point.state["steps_per_epoch"] != steps_per_epoch:
         raise ConfigError(f"checkpoint '{point.path}' was written with {point.state['steps_per_epoch']} steps per epoch, "
                           f"the data now gives {steps_per_epoch}: resume on the same dataset")
-    inference_images = point.state["reference_images"] if point else \
-        reference_images(d, train_index, a.inference_references, t.seed)
-    fixed_train_refs = reference_images(d, train_index, a.fixed_size, t.seed + 1).to(device) if a.references == "fixed" else None
+    fixed_positions = reference_indices(len(train_index), a.fixed_size, t.seed + 1) if a.references == "fixed" else None
+    fixed_train_refs = decode_references(d, train_index, fixed_positions).to(device) if fixed_positions else None
+    if point:  # a resumed run keeps its inference references (checkpoints before their origin was saved: None)
+        inference = InferenceReferences(point.state["reference_images"], point.state.get("reference_origin"))
+    else:
+        inference = inference_references(d, train_index, references=a.references, cap=a.inference_references, seed=t.seed,
+                                         fixed_positions=fixed_positions, fixed_images=fixed_train_refs)
 
     model = build_model(config, len(train_index.classes), device)
     if config.model.init_checkpoint and point is None:  # a resumed run has its own weights
@@ -390,5 +438,5 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
         grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
         unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
         skip_nonfinite=t.nonfinite == "skip", processes=processes)
-    return Training(train_index.classes, loader, val_loader, steps_per_epoch, FixedReferenceSet(inference_images.to(device)),
-                    stage, step, scheduler, LossWindow(device))
+    return Training(train_index.classes, loader, val_loader, steps_per_epoch, FixedReferenceSet(inference.images.to(device)),
+                    inference.origin, stage, step, scheduler, LossWindow(device))

@@ -111,7 +111,7 @@ class AnchorConfig:
     references: str = option("derangement", "training reference source: in-batch derangement, a bank of recent samples, or a fixed set", choices=("derangement", "bank", "fixed"))
     bank_size: int = option(1024, "capacity of the device-resident reference bank (references: bank)")
     fixed_size: int = option(1000, "size of the fixed training reference set (references: fixed)")
-    inference_references: int = option(256, "training images kept (eval-decoded) as the inference reference set, saved in every checkpoint")
+    inference_references: int = option(256, "cap of the inference reference set saved in checkpoints: R itself up to this many, else a sample")
 
 
 @dataclass
@@ -165,10 +165,12 @@ class EvalConfig:
     corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split")
     corruption_parameters: str = option("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
     severities: list = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
-    num_references: int = option(5, "K references per test sample for the mean prediction and the std score (anchored models)")
+    num_references: int = option(10, "K references per test sample for the mean prediction and the std score (anchored models)")
+    ood_references: int = option(1, "references per sample behind the anomaly scores: 1 (the paper) or K > 1 (mean logits)")
     seed: int = option(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
     recalibrate_bn: int = option(0, "re-estimate BatchNorm stats on this many unmasked training batches before evaluating (0: as saved)")
-    blt: bool = option(True, "also evaluate bilinear transduction on the validation split (anchored models)")
+    blt: bool = option(True, "also evaluate bilinear transduction (anchored models), on the sets eval.blt_sets names")
+    blt_sets: str = option("all", "sets BLT runs on: the validation split only (id) or it and every shift set (all)", choices=("id", "all"))
     blt_candidates: int = option(50, "BLT: candidate references searched per batch (a random subset of the inference reference set)")
     blt_residuals: int = option(1000, "BLT: training residuals r_a - r_b compared against, drawn from pairs of the inference reference set")
     c_root: str = option("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
@@ -469,6 +471,7 @@ def validate(config: Config) -> None:
            f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")
     _check(all(isinstance(s, int) and 1 <= s <= 5 for s in e.severities), f"eval.severities = {e.severities}: expected integers 1 to 5")
     _check(e.num_references >= 1, f"eval.num_references = {e.num_references}: expected >= 1")
+    _check(e.ood_references >= 1, f"eval.ood_references = {e.ood_references}: expected >= 1")
     f = config.finetune_ood
     _check(f.steps >= 1, f"finetune_ood.steps = {f.steps}: expected >= 1")
     _check(f.lr > 0, f"finetune_ood.lr = {f.lr}: expected > 0")

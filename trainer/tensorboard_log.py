@@ -36,7 +36,7 @@ class EventLog:
     def log_evaluation(self, result: dict, step: int) -> None:
         """`evaluate`'s result (eval.json): ID metrics, each shift set's, and the reliability diagram."""
         for key, value in result["id"].items():
-            if key != "images":
+            if key not in ("images", "by_protocol"):
                 self.writer.add_scalar(f"eval/id/{key}", value, step)
         for name, shift in result["shifts"].items():
             for key in SHIFT_METRICS:

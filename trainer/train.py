@@ -104,6 +104,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     state = TrainingState(checkpoints=folder.checkpoints, config_dict=config.to_dict(), classes=run.classes,
                           train_step=run.step, scheduler=run.scheduler, stage=run.stage, losses=run.losses,
                           reference_images=run.references.images, steps_per_epoch=run.steps_per_epoch,
+                          reference_origin=run.reference_origin,
                           processes=processes, device=device, keep=t.keep_checkpoints, last_good=point.path if point else None)
     at = state.restore(point.state) if point else Progress()
     run.step.wrap(ddp=processes.several, compile=t.compile, device=device)

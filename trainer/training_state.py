@@ -35,10 +35,11 @@ class TrainingState:
 
     def __init__(self, *, checkpoints: Path, config_dict: dict, classes, train_step: TrainStep, scheduler,
                  stage: AnchoringStage, losses: LossWindow, reference_images: torch.Tensor, steps_per_epoch: int,
-                 processes: Processes, device: torch.device, keep: int, last_good: Path | None):
+                 reference_origin: dict | None, processes: Processes, device: torch.device, keep: int, last_good: Path | None):
         self.checkpoints, self.config_dict, self.classes = checkpoints, config_dict, list(classes)
         self.train_step, self.scheduler, self.stage, self.losses = train_step, scheduler, stage, losses
         self.reference_images, self.steps_per_epoch = reference_images, steps_per_epoch
+        self.reference_origin = reference_origin  # where the inference references come from (build.InferenceReferences)
         self.processes, self.device, self.keep, self.last_good = processes, device, keep, last_good
 
     def restore(self, state: dict) -> Progress:
@@ -93,6 +94,7 @@ class TrainingState:
                 "raw_model": step.model.state_dict() if step.ema is not None else None,
                 "optimizer": step.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": step.scaler.state_dict(), "reference_images": self.reference_images.cpu(), "metrics": metrics,
+                "reference_origin": self.reference_origin,
                 "ranks": ranks,  # per process: random states, anchoring generator, reference bank, loss sums
             })
             prune_checkpoints(self.checkpoints, self.keep)

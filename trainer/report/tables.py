@@ -198,6 +198,49 @@ def generalisation_table(runs: list[RunResults]) -> Table | None:
     return Table("Generalisation: top-1 accuracy", rows, note)
 
 
+PROTOCOL_ROLES = (("one_reference", "1 reference"), ("k", "K references"), ("blt", "BLT"))
+
+
+def protocol_key(evaluation: dict, role: str) -> str | None:
+    """The by_protocol name of a role in one eval.json: one_reference, blt, or the K-reference protocol of its
+    top1_k<K> key (k<K>; none for K = 1)."""
+    if role != "k":
+        return role
+    key = k_reference_key(get(evaluation, "id"), "top1_k")
+    return None if key is None or key == "top1_k1" else key[len("top1_"):]
+
+
+def protocol_table(runs: list[RunResults]) -> Table | None:
+    """Figure 2 of the anchoring paper as rows: per inference protocol, ID top-1, the corruption means per benchmark
+    and severity, and the time per 1000 images (eval.json "by_protocol"; results written before it give no rows)."""
+    evals = [r.eval or {} for r in runs]
+    rows = []
+    for role, label in PROTOCOL_ROLES:
+        names = [protocol_key(e, role) for e in evals]
+        found = [get(e, "by_protocol", n) if n else None for e, n in zip(evals, names)]
+        if not any(isinstance(f, dict) for f in found):
+            continue
+        if role == "k":
+            label += f" (K: {k_label(['top1_' + n if n else None for n in names])})"
+        rows.append(Row(f"{label}: ID top-1 (%)", [number(get(f, "id_top1")) for f in found], better="higher"))
+        curves = [get(f, "severity_mean_top1") or {} for f in found]
+        for benchmark in _ordered_union(curves):
+            for severity in sorted({int(s) for c in curves for s in (get(c, benchmark) or {})}):
+                rows.append(Row(f"{label}: {benchmark}, severity {severity} (%)",
+                                [number(get(c, benchmark, str(severity))) for c in curves], better="higher"))
+        rows.append(Row(f"{label}: corruptions, mean over all (%)", [number(get(f, "corruption_mean_top1")) for f in found],
+                        better="higher"))
+        rows.append(Row(f"{label}: ms per 1000 images, every set it ran on", [number(get(f, "ms_per_1000", "pooled")) for f in found],
+                        "{:.1f}"))
+    rows = _keep(rows)
+    if not rows:
+        return None
+    return Table("Inference protocols on every set", rows,
+                 "Each protocol on the validation split and every shift set it ran on (the paper's Figure 2); "
+                 "time inside the protocol (model, anchoring and search; decoding excluded), the image-weighted "
+                 "mean over those sets.")
+
+
 def corruption_detail_table(runs: list[RunResults]) -> Table | None:
     evals = [r.eval or {} for r in runs]
     keys = _ordered_union(get(e, "corruptions") for e in evals)
@@ -249,6 +292,9 @@ def anomaly_table(runs: list[RunResults]) -> Table | None:
     note = " ".join(conventions)
     if positives:
         note += f" Positive class: {', '.join(positives)}."
+    sources = [f"{r.name}: {get(e, 'ood', 'scores_from')}" for r, e in zip(runs, evals) if get(e, "ood", "scores_from")]
+    if sources:
+        note += f" Scores from: {'; '.join(sources)}."
     return Table("Anomaly rejection", rows, note.strip())
 
 
@@ -348,6 +394,7 @@ def sft_tables(runs: list[RunResults]) -> list[Table]:
 
 def all_tables(runs: list[RunResults]) -> list[Table]:
     """Every table the runs' files support, in the report's order."""
-    tables = [runs_info_table(runs), generalisation_table(runs), corruption_detail_table(runs), calibration_table(runs),
+    tables = [runs_info_table(runs), generalisation_table(runs), protocol_table(runs), corruption_detail_table(runs),
+              calibration_table(runs),
               anomaly_table(runs), robustness_table(runs), probe_table(runs), cost_table(runs)]
     return [t for t in tables if t is not None] + sft_tables(runs)

@@ -1,24 +1,28 @@
 """Evaluate a checkpoint: the papers' generalisation, calibration and anomaly-rejection measures.
 
-- Inference protocols on the validation split: one random reference (the paper's default, used
-  for every other number), K references (mean prediction; std score), BLT; time per 1000 samples
-  of each (model, anchoring and search; decoding excluded).
+- Inference protocols, each on the validation split and on every shift set (they share the decoded
+  batches): one random reference (the paper's default, used for every flat number), K references
+  (mean prediction; std score), BLT (on every set, or on the validation split only with
+  eval.blt_sets = id); time per 1000 samples of each on every set (model, anchoring and search;
+  decoding excluded). Per-protocol numbers are under `by_protocol` (docs/evaluation.md).
 - Generalisation: ID top-1/top-5; top-1 per shift set (on-the-fly ImageNet-C and -C-bar
   corruptions, pre-generated trees, CIFAR-C arrays, ImageNet-R with its 200-class mask, other
   ImageFolders), with the mean per benchmark and severity.
 - Calibration: smoothed ECE, binned ECE and NLL on ID; smECE and ECE per shift set and their mean
   and std across shift sets (the paper's Table 3).
-- Anomaly rejection: energy (T = 1), MSP, MaxLogit, ReAct and the anchored std over K references,
-  scored from the K-reference mean logits; AUROC, AUPR and FPR95 per OOD set under the convention
-  named in the output.
+- Anomaly rejection: energy (T = 1), MSP, MaxLogit, ReAct and the anchored std score; scored by the
+  paper's protocol (one random reference per sample) unless eval.ood_references asks for the mean
+  logits over several; AUROC, AUPR and FPR95 per OOD set under the convention named in the output.
 
-The training-time statistics that BLT and ReAct need come from the checkpoint's inference
-reference set (a uniform sample of the training images, saved with every checkpoint).
+The references are the checkpoint's inference reference set: the training reference set R itself
+when training used a fixed R (up to anchor.inference_references images), else a uniform sample of
+the training images. BLT's residuals and ReAct's threshold come from it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import time
@@ -141,31 +145,47 @@ class Outputs:
         return Outputs(logits, logits.softmax(-1), self.std, self.labels, None, self.seconds, self.timed_images)
 
 
-def run_protocol(protocol, loader, *, desc: str, progress: bool, tap: PenultimateTap | None = None) -> Outputs:
-    """Apply `protocol(images) -> Prediction` over a loader; time only the protocol, the first batch
-    being a warm-up that is not timed when there are more."""
-    parts = {"logits": [], "probs": [], "std": [], "labels": [], "react": []}
-    timings = []  # (seconds, images) per batch
+def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: dict | None = None) -> dict[str, Outputs]:
+    """Apply every `protocol(images) -> Prediction` of `protocols` ({name: protocol}) to each batch of one pass
+    over a loader (the protocols share the decoded batches); time each protocol alone, the first batch being a
+    warm-up that is not timed when there are more. `taps`: {name: PenultimateTap} hooked only while that
+    protocol runs (its ReAct logits)."""
+    taps = taps or {}
+    parts = {name: {"logits": [], "probs": [], "std": [], "react": []} for name in protocols}
+    labels_seen, timings = [], {name: [] for name in protocols}  # (seconds, images) per batch
     bar = tqdm(loader, desc=desc, leave=False, disable=not progress, unit="batch")
     for images, labels in bar:
-        started = time.perf_counter()
-        prediction = protocol(images)
-        if images.is_cuda:
-            torch.cuda.synchronize(images.device)
-        timings.append((time.perf_counter() - started, labels.numel()))
-        for key, value in (("logits", prediction.logits), ("probs", prediction.probs), ("std", prediction.std),
-                           ("labels", labels)):
-            parts[key].append(value.float().cpu() if key != "labels" else value.cpu())
-        if tap is not None and tap.clip_at is not None:
-            parts["react"].append(tap.take_clipped_logits().cpu())
-        seconds, seen = map(sum, zip(*timings))
-        bar.set_postfix(img_s=f"{seen / max(seconds, 1e-9):.0f}")
-    if not timings:
+        labels_seen.append(labels.cpu())
+        for name, protocol in protocols.items():
+            tap = taps.get(name)
+            with tap or contextlib.nullcontext():
+                started = time.perf_counter()
+                prediction = protocol(images)
+                if images.is_cuda:
+                    torch.cuda.synchronize(images.device)
+                timings[name].append((time.perf_counter() - started, labels.numel()))
+            for key, value in (("logits", prediction.logits), ("probs", prediction.probs), ("std", prediction.std)):
+                parts[name][key].append(value.float().cpu())
+            if tap is not None and tap.clip_at is not None:
+                parts[name]["react"].append(tap.take_clipped_logits().cpu())
+        seconds = sum(t for per in timings.values() for t, _ in per)  # every protocol's time: images/s of all of them
+        bar.set_postfix(img_s=f"{sum(seen.numel() for seen in labels_seen) / max(seconds, 1e-9):.0f}")
+    if not labels_seen:
         raise ValueError(f"{desc}: the loader yielded no images")
-    timed = timings[1:] or timings
-    joined = {key: torch.cat(value) if value else None for key, value in parts.items()}
-    return Outputs(joined["logits"], joined["probs"], joined["std"], joined["labels"], joined["react"],
-                   seconds=sum(t for t, _ in timed), timed_images=sum(n for _, n in timed))
+    labels = torch.cat(labels_seen)
+    outputs = {}
+    for name, part in parts.items():
+        timed = timings[name][1:] or timings[name]
+        joined = {key: torch.cat(value) if value else None for key, value in part.items()}
+        outputs[name] = Outputs(joined["logits"], joined["probs"], joined["std"], labels, joined["react"],
+                                seconds=sum(t for t, _ in timed), timed_images=sum(n for _, n in timed))
+    return outputs
+
+
+def run_protocol(protocol, loader, *, desc: str, progress: bool, tap: PenultimateTap | None = None) -> Outputs:
+    """One protocol over a loader (`run_protocols` with one)."""
+    return run_protocols({"protocol": protocol}, loader, desc=desc, progress=progress,
+                         taps={"protocol": tap} if tap is not None else None)["protocol"]
 
 
 def collect(model, loader, *, anchored: bool, references, num_references: int, seed: int, desc: str, progress: bool) -> dict:
@@ -212,8 +232,32 @@ def mean_std(values) -> tuple[float | None, float | None]:
     return float(np.mean(values)), float(np.std(values))
 
 
+def protocol_name(num_references: int) -> str:
+    """The eval.json name of the K-reference protocol: one_reference for K = 1, k<K> otherwise."""
+    return "one_reference" if num_references == 1 else f"k{num_references}"
+
+
+def reference_set_record(images: torch.Tensor, origin: dict | None) -> dict:
+    """What identifies the reference images a command anchored with: their number, the SHA-256 of their uint8
+    pixels (NCHW, contiguous) and where training drew them from (a checkpoint's reference_origin, when saved)."""
+    digest = hashlib.sha256(images.cpu().contiguous().numpy().tobytes()).hexdigest()
+    return {"images": int(images.shape[0]), "sha256": digest, "origin": origin}
+
+
+def checkpoint_references(state: dict) -> dict:
+    """`reference_set_record` of a checkpoint's inference reference set."""
+    return reference_set_record(state["reference_images"], state.get("reference_origin"))
+
+
 class Evaluator:
-    """The model, its reference set and the protocols, with the seeds and progress bars of one evaluation."""
+    """The model, its reference set and the protocols, with the seeds and progress bars of one evaluation.
+
+    Protocols (their eval.json names): one_reference (one random reference per sample; a standard model's
+    one forward pass), k<K> (K = eval.num_references random references, mean prediction and std score),
+    blt (bilinear transduction), and the anomaly scores' protocol (eval.ood_references references per sample,
+    one_reference by default). Each call of `protocols` makes fresh ones, seeded by eval.seed, so that every
+    set sees the same reference draws whatever was evaluated before it.
+    """
 
     def __init__(self, model, config: Config, state: dict, device: torch.device, progress: bool):
         self.model, self.config, self.progress = model, config, progress
@@ -223,6 +267,12 @@ class Evaluator:
         self.references = FixedReferenceSet(self.reference_images) if self.anchored else None
         e = config.eval
         self.k = e.num_references if self.anchored else 1
+        self.k_name = protocol_name(self.k)
+        self.ood_k = e.ood_references if self.anchored else 1
+        self.ood_name = protocol_name(self.ood_k)
+        # the std score's spread: over the anomaly protocol's references when it has several, else over K
+        self.std_name = self.ood_name if self.ood_k > 1 else (self.k_name if self.k > 1 else None)
+        self.blt = self.anchored and e.blt
 
     def generator(self) -> torch.Generator:
         return torch.Generator().manual_seed(self.config.eval.seed)
@@ -239,8 +289,39 @@ class Evaluator:
         generator = self.generator()
         return lambda images: blt.predict(self.model, images, generator, flip=self.config.eval.flip_tta)
 
-    def run(self, protocol, loader, desc: str, tap: PenultimateTap | None = None) -> Outputs:
-        return run_protocol(protocol, loader, desc=desc, progress=self.progress, tap=tap)
+    def protocols(self, names) -> dict:
+        """Fresh protocols by eval.json name (duplicates dropped, order kept)."""
+        made = {}
+        for name in dict.fromkeys(n for n in names if n):
+            made[name] = self.blt_protocol() if name == "blt" else \
+                self.references_protocol(1 if name == "one_reference" else int(name[1:]))
+        return made
+
+    def id_protocols(self, with_ood: bool) -> list[str]:
+        names = ["one_reference", self.k_name, "blt" if self.blt else None]
+        return names + ([self.ood_name, self.std_name] if with_ood else [])
+
+    def shift_protocols(self) -> list[str]:
+        return ["one_reference", self.k_name, "blt" if self.blt and self.config.eval.blt_sets == "all" else None]
+
+    def ood_protocols(self) -> list[str]:
+        return [self.ood_name, self.std_name]
+
+    def describe(self, name: str) -> str:
+        e = self.config.eval
+        if not self.anchored:
+            return "a standard model: one forward pass per image"
+        if name == "blt":
+            return (f"bilinear transduction: each sample's reference chosen among {e.blt_candidates} candidates per batch as the "
+                    f"one whose residual lies nearest one of {e.blt_residuals} training residuals")
+        if name == "one_reference":
+            return "one random reference per sample (the paper's default)"
+        return f"mean prediction over K = {name[1:]} random references per sample; std score from their spread"
+
+    def run(self, protocols: dict, loader, desc: str, tap: PenultimateTap | None = None) -> dict[str, Outputs]:
+        """Every protocol over one pass of the loader; the tap (ReAct) hooks the anomaly scores' protocol."""
+        taps = {self.ood_name: tap} if tap is not None and self.ood_name in protocols else None
+        return run_protocols(protocols, loader, desc=desc, progress=self.progress, taps=taps)
 
     def react_tap(self) -> PenultimateTap | None:
         """A tap clipping at the ReAct threshold estimated on the reference images (training images), or None
@@ -269,6 +350,15 @@ class Evaluator:
         return tap
 
 
+def protocol_results(outputs: dict[str, Outputs], bins: int, classes: tuple[int, ...] | None = None) -> dict:
+    """{protocol: top1, top5, smece, ece, ms_per_1000} of one labelled set."""
+    results = {}
+    for name, out in outputs.items():
+        out = out.restricted(classes)
+        results[name] = {**accuracy(out), **calibration(out, bins), "ms_per_1000": out.ms_per_1000}
+    return results
+
+
 def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", progress: bool = True) -> dict:
     """Evaluate one checkpoint; the result is also written to <run>/eval.json, its plots under <run>/plots/."""
     path = Path(path)
@@ -289,46 +379,49 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
 
     ev = Evaluator(model, config, state, device, progress and config.train.progress)
     anchored, k = ev.anchored, ev.k
-    if anchored and e.blt and len(ev.references) < 2:
+    if ev.blt and len(ev.references) < 2:
         raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
                           "(anchor.inference_references): set eval.blt=false")
-    result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch")}
+    result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
+              "references": checkpoint_references(state)}
     recalibrated = recalibrate_batchnorm(model, config, classes, device)
     if recalibrated:
         result["batchnorm"] = recalibrated
 
-    # --- inference protocols on the validation split ----------------------------------------------
+    # --- every protocol on the validation split (one pass; the anomaly protocol's pass is tapped for ReAct) ----
     tap = ev.react_tap() if oods else None
-    clean = ev.run(ev.references_protocol(1), id_loader(), "validation") if k > 1 else None
-    with tap or contextlib.nullcontext():  # the K-reference pass also gives ReAct's logits for anomaly rejection
-        clean_k = ev.run(ev.references_protocol(k), id_loader(), f"validation K={k}", tap)
-    clean = clean or clean_k
+    id_outputs = ev.run(ev.protocols(ev.id_protocols(bool(oods))), id_loader(), "validation", tap)
+    clean, clean_k = id_outputs["one_reference"], id_outputs[ev.k_name]
     result["id"] = {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"], **calibration(clean, e.ece_bins),
                     "nll": negative_log_likelihood(clean.probs.double().numpy(), clean.labels.numpy()),
                     "images": clean.labels.numel()}
     result["ms_per_1000"] = {"one_reference": clean.ms_per_1000, f"k{k}": clean_k.ms_per_1000}
-    if anchored and e.blt:
-        blt = ev.run(ev.blt_protocol(), id_loader(), "validation BLT")
-        result["id"]["top1_blt"] = accuracy(blt)["top1"]
-        result["ms_per_1000"]["blt"] = blt.ms_per_1000
+    if ev.blt:
+        result["id"]["top1_blt"] = accuracy(id_outputs["blt"])["top1"]
+        result["ms_per_1000"]["blt"] = id_outputs["blt"].ms_per_1000
+    result["id"]["by_protocol"] = protocol_results(id_outputs, e.ece_bins)
     if anchored:
-        result["protocols"] = (f"ID accuracy, calibration and every shift set use one random reference per sample; "
-                               f"top1_k{k} and the anomaly scores use the mean logits over K = {k} references; "
-                               + ("top1_blt uses bilinear transduction; " if e.blt else "")
-                               + "ms_per_1000 is the time per 1000 validation images inside each protocol")
+        blt_note = {"id": "top1_blt and by_protocol.blt use bilinear transduction on the validation split only; ",
+                    "all": "by_protocol.blt uses bilinear transduction, on every set; "}[e.blt_sets] if ev.blt else ""
+        result["protocols"] = (f"top1, top5, calibration, corruptions, severity_mean_top1 and every shift set's flat numbers "
+                               f"use one random reference per sample; top1_k{k} and by_protocol.{ev.k_name} the mean "
+                               f"prediction over K = {k} references; " + blt_note
+                               + f"the anomaly scores are named in ood.score_protocols; ms_per_1000 is the time per 1000 "
+                               f"validation images inside each protocol (every set's in its by_protocol)")
     else:
         result["protocols"] = "a standard model: one forward pass per image; ms_per_1000 is its time per 1000 images"
 
-    # --- generalisation and calibration under shift -------------------------------------------------
+    # --- generalisation and calibration under shift: every protocol on every set ----------------------
     shift_results = {}
     reliability_groups = {"validation": [confidences_and_outcomes(clean.probs.double().numpy(), clean.labels.numpy())]}
     for eval_set in shifts:
-        outputs = ev.run(ev.references_protocol(1), loader_for(eval_set.dataset, d, device), eval_set.name)
-        outputs = outputs.restricted(eval_set.class_subset)
-        shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(outputs), **calibration(outputs, e.ece_bins)}
+        outputs = ev.run(ev.protocols(ev.shift_protocols()), loader_for(eval_set.dataset, d, device), eval_set.name)
+        one = outputs["one_reference"].restricted(eval_set.class_subset)
+        shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(one), **calibration(one, e.ece_bins),
+                                        "by_protocol": protocol_results(outputs, e.ece_bins, eval_set.class_subset)}
         group = eval_set.benchmark if eval_set.kind == "corruption" else eval_set.name  # corruptions pooled per benchmark
         reliability_groups.setdefault(group, []).append(
-            confidences_and_outcomes(outputs.probs.double().numpy(), outputs.labels.numpy()))
+            confidences_and_outcomes(one.probs.double().numpy(), one.labels.numpy()))
     result["shifts"] = shift_results
     result["corruptions"] = {name: r["top1"] for name, r in shift_results.items() if r["kind"] == "corruption"}
     if result["corruptions"]:
@@ -340,11 +433,13 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
                              "over": list(shift_results), "std": "population standard deviation (ddof 0) across the sets"}
 
     # --- anomaly rejection ----------------------------------------------------------------------------
+    ood_outputs = {}
     if oods:
-        result["ood"], ood_score_values = anomaly_rejection(ev, oods, clean_k, tap, d, device)
+        result["ood"], ood_score_values, ood_outputs = anomaly_rejection(ev, oods, id_outputs, tap, d, device)
         result["ood"]["scores_file"] = write_ood_scores(path, ood_score_values)
     else:
         ood_score_values = None
+    result["by_protocol"] = protocol_summary(ev, id_outputs, shift_results, ood_outputs)
 
     if e.plots:
         result["plots"] = write_plots(path, result, reliability_groups, ood_score_values, e.ece_bins)
@@ -356,27 +451,68 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     return result
 
 
-def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], clean_k: Outputs, tap, data, device) -> tuple[dict, dict]:
+def protocol_summary(ev: Evaluator, id_outputs: dict[str, Outputs], shift_results: dict, ood_outputs: dict) -> dict:
+    """{protocol: description, references, the sets it ran on, ID top-1, its corruption and severity means, and
+    ms per 1000 images on the validation split and pooled (the image-weighted mean over every set it ran on)}."""
+    summary = {}
+    for name, clean in id_outputs.items():
+        ran = [s for s, r in shift_results.items() if name in r["by_protocol"]]
+        corruption = {s: shift_results[s]["by_protocol"][name]["top1"] for s in ran if shift_results[s]["kind"] == "corruption"}
+        # {set: (ms per 1000, images)} of every set it ran on; pooled: their image-weighted mean
+        timed = {"validation": (clean.ms_per_1000, clean.labels.numel())}
+        timed.update({s: (shift_results[s]["by_protocol"][name]["ms_per_1000"], shift_results[s]["images"]) for s in ran})
+        timed.update({s: (per_set[name].ms_per_1000, per_set[name].labels.numel())
+                      for s, per_set in ood_outputs.items() if name in per_set})
+        pooled = sum(ms * n for ms, n in timed.values()) / max(sum(n for _, n in timed.values()), 1)
+        summary[name] = {
+            "description": ev.describe(name),
+            "references": None if name == "blt" or not ev.anchored else (1 if name == "one_reference" else int(name[1:])),
+            "sets": list(timed),
+            "id_top1": accuracy(clean)["top1"],
+            "corruption_mean_top1": float(np.mean(list(corruption.values()))) if corruption else None,
+            "severity_mean_top1": severity_means({s: {**shift_results[s], "top1": v} for s, v in corruption.items()}),
+            "ms_per_1000": {"id": clean.ms_per_1000, "pooled": pooled, "images": sum(n for _, n in timed.values()),
+                            "per_set": {s: ms for s, (ms, _) in timed.items()}},
+        }
+    return summary
+
+
+def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], id_outputs: dict[str, Outputs], tap, data,
+                      device) -> tuple[dict, dict, dict]:
+    """Every anomaly score, ID against each OOD set, under the anomaly protocol (eval.ood_references references
+    per sample); the std score from the spread over the references of ev.std_name."""
     positive = ev.config.eval.ood_positive
-    anchored_std = ev.anchored and ev.k > 1
-    id_scores = ood_scores(clean_k.logits, clean_k.std if anchored_std else None, clean_k.react_logits)
-    per_set, values = {}, {"id": id_scores, "ood": {}}
-    with tap or contextlib.nullcontext():
-        for eval_set in oods:
-            outputs = ev.run(ev.references_protocol(ev.k), loader_for(eval_set.dataset, data, device), f"{eval_set.name} K={ev.k}", tap)
-            scores = ood_scores(outputs.logits, outputs.std if anchored_std else None, outputs.react_logits)
-            values["ood"][eval_set.name] = scores
-            per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], positive) for name in scores}
+
+    def scores_of(outputs: dict[str, Outputs]) -> dict[str, np.ndarray]:
+        main = outputs[ev.ood_name]
+        return ood_scores(main.logits, outputs[ev.std_name].std if ev.std_name else None, main.react_logits)
+
+    id_scores = scores_of(id_outputs)
+    per_set, values, raw = {}, {"id": id_scores, "ood": {}}, {}
+    for eval_set in oods:
+        outputs = ev.run(ev.protocols(ev.ood_protocols()), loader_for(eval_set.dataset, data, device), eval_set.name, tap)
+        raw[eval_set.name] = outputs
+        scores = scores_of(outputs)
+        values["ood"][eval_set.name] = scores
+        per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], positive) for name in scores}
     names = list(id_scores)
-    summary = {"convention": CONVENTIONS[positive], "positive": positive,
-               "scores_from": f"mean logits over K = {ev.k} references" if ev.anchored else "the model's logits",
+    score_protocols = {name: (ev.std_name if name == "anchored_std" else ev.ood_name) for name in names}
+    if ev.anchored:
+        scores_from = (f"{'one random reference' if ev.ood_k == 1 else f'mean logits over K = {ev.ood_k} references'} "
+                       f"per sample (protocol {ev.ood_name})"
+                       + (f"; anchored_std: the spread over the {ev.std_name[1:]} references of protocol {ev.std_name}"
+                          if ev.std_name else ""))
+    else:
+        scores_from = "the model's logits"
+    summary = {"convention": CONVENTIONS[positive], "positive": positive, "scores_from": scores_from,
+               "protocol": ev.ood_name, "score_protocols": score_protocols,
                "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
                "over": list(per_set), "sets": per_set,
                "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
                                for metric in ("auroc", "aupr", "fpr95")} for name in names}}
     if "react" in names:
         summary["react_threshold"] = tap.clip_at
-    return summary, values
+    return summary, values, raw
 
 
 def write_ood_scores(checkpoint: Path, values: dict) -> str:

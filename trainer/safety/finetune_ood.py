@@ -59,7 +59,8 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import eval_loader, loader_for, ood_sets, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.safety.evaluate import CONVENTIONS, accuracy, collect, load_for_inference, ood_scores, rejection_metrics
+from fastanchor.trainer.safety.evaluate import (CONVENTIONS, accuracy, checkpoint_references, collect, load_for_inference,
+                                                ood_scores, rejection_metrics)
 from fastanchor.trainer.losses import anchored_cross_entropy, distance_to_uniform
 from fastanchor.trainer.safety.sam import NORM_TYPES, normalization_parameters, running_stats_frozen, sam_step
 from fastanchor.trainer.build import amp_dtype, resolve_device, seed_everything
@@ -86,12 +87,15 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit) on every OOD set `fastanchor
     evaluate` reads (data.ood_split, data.far_ood_split when present, eval.ood_sets): an eval.json-shaped dict.
 
-    Anchored models: accuracy with one random reference per image, scores over K =
-    eval.num_references references (plus the std score), as `fastanchor evaluate` does.
+    Anchored models: accuracy with one random reference per image (and the mean over K = eval.num_references),
+    scores by eval.ood_references references per image (one, the paper's, by default), the std score from the
+    spread over K references, as `fastanchor evaluate` does.
     """
     anchored, e, d = config.anchor.enabled, config.eval, config.data
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     k = e.num_references if anchored else 1
+    ood_k = e.ood_references if anchored else 1
+    std_k = ood_k if ood_k > 1 else k
     val_index = split_index(d, d.val_split, tuple(state["classes"]))
 
     def run(loader, desc, references_per_image=1):
@@ -105,19 +109,25 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
         return eval_loader(d, val_index, device, progress=progress)
 
     model.eval()
-    clean = run(id_loader(), "ID")
-    clean_k = run(id_loader(), f"ID K={k}", k) if k > 1 else clean
-    with_std = anchored and k > 1
-    id_scores = ood_scores(clean_k["logits"], clean_k["std"] if with_std else None)
+    clean = {1: run(id_loader(), "ID")}
+    for count in (k, ood_k, std_k):
+        if count not in clean:
+            clean[count] = run(id_loader(), f"ID K={count}", count)
+    with_std = anchored and std_k > 1
+    id_scores = ood_scores(clean[ood_k]["logits"], clean[std_k]["std"] if with_std else None)
     per_set = {}
     for eval_set in ood_sets(config):
-        ood = run(loader_for(eval_set.dataset, d, device), f"{eval_set.name} K={k}", k)
-        scores = ood_scores(ood["logits"], ood["std"] if with_std else None)
+        ood = {count: run(loader_for(eval_set.dataset, d, device), f"{eval_set.name} K={count}", count)
+               for count in dict.fromkeys((ood_k, std_k))}
+        scores = ood_scores(ood[ood_k]["logits"], ood[std_k]["std"] if with_std else None)
         per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
     names = list(id_scores)
+    protocol = "one_reference" if ood_k == 1 else f"k{ood_k}"
     return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
-            "id": {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"]},
-            "ood": {"convention": CONVENTION, "positive": "id",
+            "references": checkpoint_references(state),
+            "id": {**accuracy(clean[1]), f"top1_k{k}": accuracy(clean[k])["top1"]},
+            "ood": {"convention": CONVENTION, "positive": "id", "protocol": protocol,
+                    "score_protocols": {name: (f"k{std_k}" if name == "anchored_std" else protocol) for name in names},
                     "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
                     "over": list(per_set), "sets": per_set,
                     "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
@@ -313,6 +323,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
                 "ood_distance": "KL(U || softmax(logits))", **dataclasses.asdict(f)}
     summary = {"before": before, "after": after, "losses": loss_trace(records), "finetune_ood": settings}
     save_checkpoint(finetuned, {**{key: state[key] for key in ("classes", "epoch", "step", "reference_images")},
+                                "reference_origin": state.get("reference_origin"),
                                 "config": config.to_dict(), "model": model.state_dict(), "metrics": after,
                                 "finetuned_from": str(path)})
     table = markdown_table(before, after)
@@ -322,8 +333,9 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
             f"jigsaw grids {settings['jigsaw_grids_used']}, {batchnorm}; ID: '{d.val_split}' "
             f"({config.data.root}), OOD: {', '.join(repr(name) for name in oods)}. {sft_regime(settings['norm_layers'])}\n\n"
             f"{table}\n\n{CONVENTION}."
-            + (f" Anchored model: top-1 with one random reference per image, scores over K = {config.eval.num_references} "
-               f"references." if config.anchor.enabled else "") + "\n")
+            + (f" Anchored model: top-1 with one random reference per image; anomaly scores with "
+               f"{config.eval.ood_references} reference(s) per image, the std score over K = {config.eval.num_references}."
+               if config.anchor.enabled else "") + "\n")
     atomic_write_bytes(out / "metrics.jsonl", lambda h: h.write("".join(json.dumps(r) + "\n" for r in records).encode()))
     atomic_write_bytes(out / "summary.md", lambda h: h.write(text.encode()))
     atomic_write_bytes(out / "summary.json", lambda h: h.write(json.dumps(summary, indent=2).encode()))

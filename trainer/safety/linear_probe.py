@@ -6,7 +6,9 @@ training, alpha = 0.4).
   pre-classifier vector); torchvision models the input of their last Linear layer.
 - Standard probe (standard backbone): multinomial logistic regression on the features of x.
 - Anchored probe (anchored backbone): the backbone sees ``[r, x - r]`` with r drawn from the
-  probe's training images; with probability alpha the reference is masked (``[0, x - r]``) and
+  probe's reference pool (the checkpoint's inference reference set when the probe trains on the
+  checkpoint's own training split, else a sample of the probe's training images); with probability
+  alpha the reference is masked (``[0, x - r]``) and
   the target is uniform. With the backbone frozen, features are computed once for `views`
   reference draws per training image (each unmasked and masked), and the probe minimises the
   expectation of the anchored loss over those draws and the masking coin exactly:
@@ -41,7 +43,7 @@ from fastanchor.pipeline.corruptions import check_corruption_names
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
-from fastanchor.trainer.safety.evaluate import load_for_inference
+from fastanchor.trainer.safety.evaluate import checkpoint_references, load_for_inference, reference_set_record
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
@@ -224,6 +226,21 @@ def probe_top1(probe: LinearProbe, features: torch.Tensor, labels: torch.Tensor)
 # The command
 
 
+def probe_references(state: dict, data, train_index, spec: ProbeSpec, anchored: bool) -> tuple[torch.Tensor | None, dict | None]:
+    """The anchored probe's reference pool and its record: the checkpoint's inference reference set when the probe
+    trains on the checkpoint's own training split (so a fixed training R is what the probe and its test images are
+    anchored against), else `spec.reference_pool` images drawn from the probe's training images (a new task)."""
+    if not anchored:
+        return None, None
+    own = (Path(data.root) / data.train_split).resolve()
+    if Path(train_index.root).resolve() == own:
+        return state["reference_images"], checkpoint_references(state)
+    pool = reference_images(data, train_index, spec.reference_pool, spec.seed)
+    origin = {"source": f"a sample of the probe's training images ({train_index.root})", "training_images": len(train_index)}
+    return pool, reference_set_record(pool, origin)
+
+
+
 def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") -> dict:
     """Train the standard (or anchored and unmasked) probe(s) of one checkpoint; write <run>/linear_probe.json."""
     spec.check()
@@ -242,7 +259,8 @@ def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") 
         shift_index, corruption = val_index, Corruption(spec.shift_corruption, spec.shift_severity, spec.seed)
         shift_set = {"kind": "corruption", "corruption": spec.shift_corruption, "severity": spec.shift_severity,
                      "root": str(val_index.root), "images": len(val_index)}
-    pool = reference_images(d, train_index, spec.reference_pool, spec.seed).to(target) if anchored else None
+    pool, pool_record = probe_references(state, d, train_index, spec, anchored)
+    pool = None if pool is None else pool.to(target)
     generator = torch.Generator().manual_seed(spec.seed)
     common = {"anchored": anchored, "pool": pool, "generator": generator, "progress": config.train.progress}
     train = features_of(extract, eval_loader(d, train_index, target), views=spec.views, masked_too=anchored,
@@ -267,9 +285,9 @@ def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") 
         "id_set": {"root": str(val_index.root), "images": len(val_index)}, "shift_set": shift_set,
         "settings": {"l2": spec.l2, "views": spec.views if anchored else 1, "masked_target": "uniform",
                      "reference_pool": 0 if pool is None else len(pool), "seed": spec.seed,
-                     "inference": "one random reference from the probe's training images" if anchored else "plain",
+                     "inference": "one random reference from the reference pool" if anchored else "plain",
                      "solver": "full-batch L-BFGS (float64) on standardised features, mean loss + l2/2 ||W||^2"},
-        "probes": probes,
+        "probes": probes, "references": pool_record,
     }
     atomic_write_bytes(RunFolder.of_checkpoint(checkpoint).linear_probe, lambda h: h.write(json.dumps(result, indent=2).encode()))
     return result

@@ -52,7 +52,7 @@ from fastanchor.trainer.safety.effective_robustness import (
     solved_among,
     unsolved_by_testbed,
 )
-from fastanchor.trainer.safety.evaluate import collect, load_for_inference
+from fastanchor.trainer.safety.evaluate import checkpoint_references, collect, load_for_inference
 from fastanchor.trainer.build import resolve_device
 from fastanchor.trainer.run_folder import RunFolder
 
@@ -286,7 +286,7 @@ def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.dev
     about = {"anchored": anchored, "model": config.model.name,
              "id_set": {"root": str(id_index.root), "images": len(id_rows), "classes": list(classes),
                         "subclassed": mask is not None, "digest": set_digest(id_index, id_rows)},
-             "ood_set": ood_set}
+             "ood_set": ood_set, "references": checkpoint_references(state)}
     return record, about, {"id": id_correct.numpy(), "ood": ood_correct.numpy()}
 
 
