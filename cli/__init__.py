@@ -1,4 +1,5 @@
-"""The `fastanchor` command: prepare, train, evaluate, finetune-ood, robustness, linear-probe, report, recipes, demo, bench.
+"""The `fastanchor` command: prepare, train, evaluate, finetune-ood, robustness, linear-probe, report, recipes, demo, bench,
+reproduce.
 
 The commands that are applications rather than library code live beside it: demo.py (`fastanchor demo`) and
 recipes.py (`fastanchor recipes`). Entry points: the console script `fastanchor = fastanchor.cli:main`,
@@ -165,7 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     from fastanchor.benchmarks.cli import add_bench_parser
 
     add_bench_parser(commands)
+    add_reproduce_parser(commands, formatter)
     return parser
+
+
+def add_reproduce_parser(commands, formatter) -> None:
+    """`fastanchor reproduce`: flags generated from ReproduceOptions (its one positional field, then the options)."""
+    from fastanchor.benchmarks.cli import add_options
+    from fastanchor.reproduce.experiments import experiment_lines
+    from fastanchor.reproduce.options import ReproduceFlags
+
+    parser = commands.add_parser("reproduce", help="run a figure or table of the anchoring paper as a resumable sweep",
+                                 description="Each experiment trains and evaluates its runs into <out>/<experiment>/<run>/ "
+                                             "and writes result.json, result.md and result.png beside them.",
+                                 epilog=experiment_lines(), formatter_class=formatter)
+    parser.add_argument("experiment", metavar="EXPERIMENT", help="one of the experiments listed below")
+    add_options(parser, ReproduceFlags)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,6 +279,12 @@ def run(args: argparse.Namespace) -> int:
         from fastanchor.cli.demo import run_demo
 
         run_demo(load_config(args.config, args.overrides), Path(args.out_dir))
+    elif args.command == "reproduce":
+        from fastanchor.benchmarks.cli import options_from
+        from fastanchor.reproduce.options import ReproduceOptions
+        from fastanchor.reproduce.sweep import run_reproduce
+
+        return run_reproduce(options_from(ReproduceOptions, args), args.argv)
     elif args.command == "bench":
         from fastanchor.benchmarks.cli import run_bench
 

@@ -1,45 +1,58 @@
-"""ImageNet-C-bar's ten corruptions (Mintun, Kirillov & Xie, NeurIPS 2021), written here in
-vectorised numpy from the published definitions and severities.
+"""The C-bar corruptions (Mintun, Kirillov & Xie, NeurIPS 2021): ImageNet-C-bar's ten and
+CIFAR-10-C-bar's ten (five shared, five of its own: pinch_and_twirl, ripple, circular_motion_blur,
+lines, transverse_chromatic_abberation), written here in vectorised numpy from the published
+definitions and severities.
 
 Each corruption is a pair of small functions: a sampler that draws its random parameters from a
 numpy Generator (seeded per image, so the same seed gives the same bytes) and a pure function
-that applies given parameters to a uint8 HWC RGB image. The severity table maps severities 1-5
-to the published parameter levels (0-10 scale; a parameter with maximum M is level * M / 10),
-from `imagenet_c_bar.csv` of the authors' repository (facebookresearch/augmentation-corruption).
-Sizes scale with the image side S (the definitions are for square images; for others S is the
-longer side). Like the published code, results are clipped to [0, 255] and truncated to uint8.
+that applies given parameters to a uint8 HWC RGB image. Each set's severity table maps severities
+1-5 to the published parameter levels (0-10 scale; a parameter with maximum M is level * M / 10),
+typed once into pipeline/c_bar_levels.json from `imagenet_c_bar.csv` and `cifar10_c_bar.csv` of the
+authors' repository (facebookresearch/augmentation-corruption). Sizes scale with the image side S
+(the definitions are for square images; for others S is the longer side), so a set's corruptions
+are those it publishes at its own image size (224 px, 32 px). Like the published code, results are
+clipped to [0, 255] and truncated to uint8.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
-IMAGENET_C_BAR_LEVELS: dict[str, tuple[float, ...]] = {
-    "caustic_refraction": (2.35, 3.2, 4.9, 6.6, 9.15),
-    "inverse_sparkles": (1.0, 2.0, 4.0, 9.0, 10.0),
-    "sparkles": (1.0, 2.0, 3.0, 5.0, 6.0),
-    "perlin_noise": (4.6, 5.2, 5.8, 7.6, 8.8),
-    "blue_noise_sample": (0.8, 1.6, 2.4, 4.0, 5.6),
-    "plasma_noise": (4.75, 7.0, 8.5, 9.25, 10.0),
-    "checkerboard_cutout": (2.0, 3.0, 4.0, 5.0, 6.0),
-    "cocentric_sine_waves": (3.0, 5.0, 8.0, 9.0, 10.0),
-    "single_frequency_greyscale": (1.0, 1.5, 2.0, 4.5, 5.0),
-    "brownish_noise": (1.0, 2.0, 3.0, 4.0, 5.0),
-}
+LEVELS_FILE = Path(__file__).with_name("c_bar_levels.json")
+
+
+def _read_levels() -> dict[str, dict[str, tuple[float, ...]]]:
+    sets = json.loads(LEVELS_FILE.read_text())
+    return {name: {c: tuple(levels) for c, levels in entry["levels"].items()}
+            for name, entry in sets.items() if name != "about"}
+
+
+# The published C-bar sets (pipeline/c_bar_levels.json): name -> {corruption: the levels of severities 1-5}.
+C_BAR_LEVELS: dict[str, dict[str, tuple[float, ...]]] = _read_levels()
+IMAGENET_C_BAR_LEVELS: dict[str, tuple[float, ...]] = C_BAR_LEVELS["imagenet-c-bar"]
 IMAGENET_C_BAR_CORRUPTIONS: tuple[str, ...] = tuple(IMAGENET_C_BAR_LEVELS)
+CIFAR_C_BAR_CORRUPTIONS: tuple[str, ...] = tuple(C_BAR_LEVELS["cifar-10-c-bar"])
+C_BAR_TITLES = {"imagenet-c-bar": "ImageNet-C-bar", "cifar-10-c-bar": "CIFAR-10-C-bar"}
 LUMA = np.array([0.2126, 0.7152, 0.0722])
 
 
-def corrupt_bar(image: np.ndarray, name: str, severity: int, seed: int) -> np.ndarray:
-    """Corrupt one uint8 HWC RGB image with ImageNet-C-bar corruption `name` at severity 1-5."""
-    if name not in IMAGENET_C_BAR_LEVELS:
-        raise ValueError(f"unknown ImageNet-C-bar corruption {name!r}: expected one of {', '.join(IMAGENET_C_BAR_CORRUPTIONS)}")
+def corrupt_bar(image: np.ndarray, name: str, severity: int, seed: int, parameters: str = "imagenet-c-bar") -> np.ndarray:
+    """Corrupt one uint8 HWC RGB image with C-bar corruption `name` at severity 1-5 of the set `parameters`
+    (imagenet-c-bar, or cifar-10-c-bar: its own corruptions and levels, for 32 px images)."""
+    levels = C_BAR_LEVELS.get(parameters)
+    if levels is None:
+        raise ValueError(f"unknown C-bar parameters {parameters!r}: expected one of {', '.join(C_BAR_LEVELS)}")
+    if name not in levels:
+        raise ValueError(f"unknown {C_BAR_TITLES[parameters]} corruption {name!r}: expected one of {', '.join(levels)}")
     if not 1 <= int(severity) <= 5:
         raise ValueError(f"severity {severity}: expected 1 to 5")
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"expected a uint8 HWC RGB image, got {image.dtype} {image.shape}")
     sample, apply = CORRUPTIONS[name]
-    level = IMAGENET_C_BAR_LEVELS[name][int(severity) - 1]
+    level = levels[name][int(severity) - 1]
     return apply(image, **sample(np.random.default_rng(seed), image.shape[:2], level))
 
 
@@ -333,6 +346,129 @@ def caustic_refraction(image, time, pattern_size, eta, lens_scale, lighting):
     return (np.clip(lit, 0, 1) * 255).astype(np.uint8)
 
 
+# ----------------------------------------------------------------------------------------------
+# ripple (CIFAR-10-C-bar): each row and column displaced along itself by a sine wave
+
+
+def sample_ripple(rng, shape, level):
+    size = side(shape)
+    return {"amplitude": scaled(level, 0.025) * size, "wavelengths": rng.uniform(0.1, 0.3, 2) * size,
+            "phases": rng.uniform(0, 2 * np.pi, 2)}
+
+
+def ripple(image, amplitude, wavelengths, phases):
+    """Pixel (y, x) shows the image at (y + A sin(2 pi y / wl_y + ph_y), x + A sin(2 pi x / wl_x + ph_x)), bilinear, black outside."""
+    ys, xs = pixel_grid(image.shape)
+    rows = ys + amplitude * np.sin(2 * np.pi * ys / wavelengths[0] + phases[0])
+    cols = xs + amplitude * np.sin(2 * np.pi * xs / wavelengths[1] + phases[1])
+    return to_uint8(bilinear_sample(image.astype(np.float64), rows, cols))
+
+
+# ----------------------------------------------------------------------------------------------
+# pinch_and_twirl (CIFAR-10-C-bar): a grid of discs, each pinched and twirled about its centre
+
+
+def sample_pinch_and_twirl(rng, shape, level):
+    cells = 5 if side(shape) >= 224 else 3  # the published 5 x 5 grid at 224 px, 3 x 3 at 32 px
+    return {"angles": rng.choice([1.0, -1.0], size=(cells, cells)) * scaled(level, np.pi / 2),
+            "amount": scaled(level, 0.4) + 0.1}
+
+
+def pinch_and_twirl(image, angles, amount):
+    """In each square cell (column i, row j) of side S // n, the pixels of its inscribed disc (radius r)
+    show the image at the centre + (offset * sin(pi d / 2) ** -amount) rotated by angle * (1 - d) ** 2,
+    d = |offset| / r; pixels outside the discs (and the rows/columns past n cells) are kept."""
+    cells = angles.shape[0]
+    grid = side(image.shape) // cells
+    radius = grid / 2
+    ys, xs = pixel_grid(image.shape)
+    rows, cols = ys.copy(), xs.copy()
+    for i in range(cells):  # column of cells
+        for j in range(cells):  # row of cells
+            block = (slice(j * grid, (j + 1) * grid), slice(i * grid, (i + 1) * grid))
+            dy, dx = ys[block] - (j * grid + radius), xs[block] - (i * grid + radius)
+            dist = np.hypot(dy, dx)
+            inside = (dist <= radius) & (np.round(dist, 3) != 0.0)
+            d = np.where(inside, dist / radius, 1.0)
+            stretch = np.sin(np.pi * 0.5 * d) ** -amount
+            angle = angles[i, j] * (1 - d) ** 2
+            sy, sx = dy * stretch, dx * stretch
+            rows[block] = np.where(inside, j * grid + radius + sy * np.cos(angle) - sx * np.sin(angle), ys[block])
+            cols[block] = np.where(inside, i * grid + radius + sy * np.sin(angle) + sx * np.cos(angle), xs[block])
+    return to_uint8(bilinear_sample(image.astype(np.float64), rows, cols))
+
+
+# ----------------------------------------------------------------------------------------------
+# circular_motion_blur (CIFAR-10-C-bar): the image rotated back and forth about its centre, averaged
+
+
+def sample_circular_motion_blur(rng, shape, level):
+    return {"degrees": scaled(level, 15)}
+
+
+def circular_motion_blur(image, degrees, steps: int = 21):
+    """Weighted mean of `steps` rotations by t * degrees, t evenly in [-1, 1], weights exp(-2 t^2)
+    (cubic-spline rotation, black outside, as scipy.ndimage.rotate)."""
+    from scipy.ndimage import rotate  # scipy comes with the eval extra
+
+    x = image.astype(np.float64) / 255
+    t = np.linspace(-1.0, 1.0, steps)
+    weights = np.exp(-2 * t ** 2)
+    out = sum(w * rotate(x, a * degrees, reshape=False) for w, a in zip(weights, t)) / weights.sum()
+    return (np.clip(out, 0, 1) * 255).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------------------------
+# lines (CIFAR-10-C-bar): grey anti-aliased strokes across the image
+
+
+def sample_lines(rng, shape, level):
+    size = side(shape)
+    count = int(scaled(level, 1.0) * size)
+    base, spread = rng.uniform(0, 2 * np.pi), rng.uniform(0.1, 1.0)
+    return {"centres": rng.uniform(0, size, (count, 2)), "angles": base + 2 * np.pi * spread * (rng.uniform(size=count) - 0.5),
+            "half_length": float(size)}
+
+
+def lines(image, centres, angles, half_length):
+    """Each line from centre - L (cos a, sin a) to centre + L (cos a, sin a) (first coordinate the row),
+    ends truncated to integers, drawn anti-aliased (scikit-image's line_aa) in grey 128 over the image so far."""
+    from skimage.draw import line_aa  # scikit-image comes with the eval extra (imagecorruptions)
+
+    out = image.copy()
+    height, width = image.shape[:2]
+    for (row, col), angle in zip(centres, angles):
+        dr, dc = np.cos(angle) * half_length, np.sin(angle) * half_length
+        rr, cc, value = line_aa(int(row - dr), int(col - dc), int(row + dr), int(col + dc))
+        keep = (rr >= 0) & (cc >= 0) & (rr < height) & (cc < width)
+        rr, cc, value = rr[keep], cc[keep], value[keep, None]
+        out[rr, cc] = ((1.0 - value) * out[rr, cc].astype(np.float32) + value * 128).astype(np.uint8)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# transverse_chromatic_abberation (CIFAR-10-C-bar; the published spelling): channels magnified differently
+
+
+def sample_transverse_chromatic_abberation(rng, shape, level):
+    scale = scaled(level, 0.5)
+    return {"scales": np.array([1.0, 1.0 + scale / 2, 1.0 + scale])[rng.permutation(3)]}
+
+
+def transverse_chromatic_abberation(image, scales):
+    """Each channel zoomed about the centre by its scale (cubic spline without prefilter, as
+    scipy.ndimage.zoom(prefilter=False)), its central H x W kept."""
+    from scipy.ndimage import zoom
+
+    out = image.copy()
+    height, width = image.shape[:2]
+    for channel, scale in enumerate(scales):
+        zoomed = zoom(image[..., channel], scale, prefilter=False)
+        top, left = (zoomed.shape[0] - height) // 2, (zoomed.shape[1] - width) // 2
+        out[..., channel] = zoomed[top:top + height, left:left + width]
+    return out
+
+
 CORRUPTIONS = {
     "caustic_refraction": (sample_caustic_refraction, caustic_refraction),
     "inverse_sparkles": (sample_inverse_sparkles, inverse_sparkles),
@@ -344,4 +480,9 @@ CORRUPTIONS = {
     "cocentric_sine_waves": (sample_cocentric_sine_waves, cocentric_sine_waves),
     "single_frequency_greyscale": (sample_single_frequency, single_frequency_greyscale),
     "brownish_noise": (sample_brownish_noise, brownish_noise),
+    "ripple": (sample_ripple, ripple),
+    "pinch_and_twirl": (sample_pinch_and_twirl, pinch_and_twirl),
+    "circular_motion_blur": (sample_circular_motion_blur, circular_motion_blur),
+    "lines": (sample_lines, lines),
+    "transverse_chromatic_abberation": (sample_transverse_chromatic_abberation, transverse_chromatic_abberation),
 }

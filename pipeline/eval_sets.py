@@ -4,7 +4,7 @@ Shift sets (accuracy and calibration under distribution shift):
 - corruptions of the validation split applied on the fly, seeded: ImageNet-C's 19 and ImageNet-C-bar's 10;
 - pre-generated ImageNet-C / ImageNet-C-bar trees `<root>/<corruption>/<severity>/<class>/<image>`
   (severity folders 1-5; C-bar trees may name them by the published level, e.g. `2.35`);
-- CIFAR-10/100-C: `<root>/<corruption>.npy` (5 severities x N images, uint8 NHWC) and `<root>/labels.npy`;
+- CIFAR-10/100-C and -C-bar: `<root>/<corruption>.npy` (5 severities x N images, uint8 NHWC) and `<root>/labels.npy`;
   the labels are the checkpoint's class indices (CIFAR's class order is alphabetical, as an ImageFolder's is);
 - ImageNet-R with the 200-class logit mask, and any ImageFolder with the checkpoint's classes (ImageNet-Sketch, ...).
 OOD sets (anomaly rejection): the data.ood_split folder and any named ImageFolder.
@@ -37,7 +37,7 @@ SET_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 class EvalSet:
     name: str  # its key in eval.json
     kind: str  # "corruption", "dataset" or "ood"
-    benchmark: str  # "imagenet-c", "imagenet-c-bar", "cifar-c", "imagenet-r", "dataset" or "ood"
+    benchmark: str  # "imagenet-c", "cifar-10-c", "imagenet-c-bar", "cifar-10-c-bar", "cifar-c", "cifar-c-bar", "imagenet-r", "dataset", "ood", ...
     source: str  # where the images come from
     dataset: Dataset  # (uint8 [3, H, W], label)
     corruption: str | None = None
@@ -116,10 +116,13 @@ class ArrayImages(Dataset):
         return {**self.__dict__, "_array": None}
 
 
-def cifar_c_sets(root: Path, severities, classes: tuple[str, ...], transform) -> list[EvalSet]:
+def cifar_c_sets(root: Path, severities, classes: tuple[str, ...], transform, key: str = "eval.cifar_c_root",
+                 benchmark: str = "cifar-c") -> list[EvalSet]:
+    """CIFAR-10/100-C (or -C-bar: `key` eval.cifar_c_bar_root, `benchmark` cifar-c-bar) arrays as sets
+    named <benchmark>/<corruption>@<severity>."""
     labels_path = root / "labels.npy"
     if not labels_path.is_file():
-        raise DataError(f"eval.cifar_c_root '{root}' has no labels.npy: expected <corruption>.npy files and labels.npy")
+        raise DataError(f"{key} '{root}' has no labels.npy: expected <corruption>.npy files and labels.npy")
     labels = np.load(labels_path)
     if labels.ndim != 1 or labels.size % 5 or labels.min() < 0 or labels.max() >= len(classes):
         raise DataError(f"'{labels_path}': expected 5 x N class indices below {len(classes)} (the checkpoint's classes), "
@@ -127,7 +130,7 @@ def cifar_c_sets(root: Path, severities, classes: tuple[str, ...], transform) ->
     per_severity = labels.size // 5
     files = sorted(p for p in root.glob("*.npy") if p.name != "labels.npy")
     if not files:
-        raise DataError(f"eval.cifar_c_root '{root}' has no <corruption>.npy files")
+        raise DataError(f"{key} '{root}' has no <corruption>.npy files")
     sets = []
     for path in files:
         array = np.load(path, mmap_mode="r")
@@ -136,7 +139,7 @@ def cifar_c_sets(root: Path, severities, classes: tuple[str, ...], transform) ->
                             f"got {array.dtype} {array.shape}")
         for severity in severities:
             rows = range((severity - 1) * per_severity, severity * per_severity)
-            sets.append(EvalSet(f"cifar-c/{path.stem}@{severity}", "corruption", "cifar-c", str(path),
+            sets.append(EvalSet(f"{benchmark}/{path.stem}@{severity}", "corruption", benchmark, str(path),
                                 ArrayImages(path, rows, labels, transform), path.stem, severity))
     return sets
 

@@ -430,6 +430,10 @@ class FFCVLoader:
 
     `set_image_size(s)` changes the output size from the next epoch on (progressive resizing, as
     ffcv-imagenet does by setting the decoder's `output_size`; the compiled pipeline is reused).
+
+    `labels` (int64 [num_samples], by sample in file order) replaces the labels stored in the .beton
+    (data.label_noise: the file stays the clean dataset's): each batch's sample ids are read off the
+    epoch's order, and the stored labels of the batch are checked against them before they are swapped.
     """
 
     def __init__(
@@ -452,6 +456,7 @@ class FFCVLoader:
         os_cache: bool = True,
         distributed: bool = False,
         batches_ahead: int = 3,
+        labels: np.ndarray | None = None,
     ):
         import numba
         from ffcv.fields.basics import IntDecoder
@@ -478,6 +483,12 @@ class FFCVLoader:
 
         self.path = Path(path)
         self.info = inspect_beton(self.path)
+        if labels is not None:
+            labels = np.asarray(labels, dtype=np.int64)
+            if labels.shape != (self.info.num_samples,):
+                raise ConfigError(f"labels of shape {labels.shape} for the {self.info.num_samples} samples of "
+                                  f"'{self.path}': expected one label per sample")
+        self.labels = labels
         self.device = torch.device(device)
         self.train = train
         self.order = order
@@ -554,6 +565,7 @@ class FFCVLoader:
             np.copyto(self.loader.traversal_order.page_to_samples_array, self._pristine_pages)
 
     def __iter__(self):
+        order = self.epoch_order(self.loader.next_epoch) if self.labels is not None else None
         self._restore_pages()
         torch_threads = torch.get_num_threads()
         epoch = iter(self.loader)  # FFCV's EpochIterator: a thread that fills a queue of batches
@@ -561,6 +573,7 @@ class FFCVLoader:
         _restore_torch_threads(torch_threads)
         pending = None  # CUDA event of the last copy out of FFCV's buffers
         first = True
+        batch_number = 0
         try:
             while True:
                 if pending is not None:
@@ -581,6 +594,9 @@ class FFCVLoader:
                 if not images.is_contiguous(memory_format=torch.channels_last):
                     raise AssertionError("FFCV images are not a channels-last view")
                 labels = labels.reshape(-1)
+                if order is not None:
+                    labels = self._relabel(labels, order, batch_number)
+                batch_number += 1
                 if self._copy_stream is None:
                     images = images.to(self.device).clone(memory_format=torch.channels_last)
                     labels = labels.to(self.device, dtype=torch.long).clone()
@@ -589,6 +605,15 @@ class FFCVLoader:
                 yield images, labels
         finally:
             epoch.close()
+
+    def _relabel(self, stored: torch.Tensor, order: np.ndarray, batch: int) -> torch.Tensor:
+        """The batch's labels from `self.labels`, by the sample ids of batch `batch` of the epoch's `order`."""
+        start = batch * self.loader.batch_size
+        ids = order[start: start + len(stored)]
+        if len(ids) != len(stored) or not np.array_equal(stored.cpu().numpy(), self.info.labels[ids]):
+            raise DataError(f"FFCV batch {batch} of '{self.path}' does not hold the samples its epoch order lists: "
+                            f"cannot give it the replacement labels")
+        return torch.from_numpy(self.labels[ids])
 
     def _to_cuda(self, images: torch.Tensor, labels: torch.Tensor):
         main = torch.cuda.current_stream(self.device)

@@ -26,7 +26,7 @@ class Corruption:
     name: str
     severity: int
     seed: int = 0
-    parameters: str = "imagenet-c"  # or "cifar-10-c": the same corruption at CIFAR-10-C's strengths
+    parameters: str = "imagenet-c"  # or "cifar-10-c": the same corruption at CIFAR-10-C's strengths; C-bar: its set
 
 
 AUTO_AUGMENT_POLICIES = {

@@ -6,6 +6,7 @@ import pytest
 
 from fastanchor.benchmarks import options as bench_options
 from fastanchor.cli import build_parser
+from fastanchor.reproduce import options as reproduce_options
 from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config, parse_override
 
 
@@ -78,14 +79,16 @@ HELP_LIMIT = 100  # the house rule: one short line per option in --help; the why
 
 
 def test_every_option_help_is_one_short_line():
-    """Every option of the config sections (`fastanchor train --help`) and of every benchmark's options
-    (`fastanchor bench WHAT --help`) has a help text of one line of at most HELP_LIMIT characters."""
+    """Every option of the config sections (`fastanchor train --help`), of every benchmark's options
+    (`fastanchor bench WHAT --help`) and of `fastanchor reproduce` has a help text of one line of at most HELP_LIMIT characters."""
     sections = {section.name: type(getattr(Config(), section.name)) for section in dataclasses.fields(Config)}
     declared = [(f"{section}.{f.name}", f) for section, cls in sections.items() for f in dataclasses.fields(cls)]
     declared += [(f"{cls.__name__}.{f.name} (--{f.name.replace('_', '-')})", f)  # named by the class declaring it
-                 for cls in vars(bench_options).values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+                 for module in (bench_options, reproduce_options)
+                 for cls in vars(module).values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
                  for f in dataclasses.fields(cls) if f.name in vars(cls).get("__annotations__", {})]
     assert any(name.startswith("StepOptions.") for name, _ in declared)
+    assert any(name.startswith("ReproduceFlags.") for name, _ in declared)
     missing = [name for name, f in declared if not f.metadata.get("help")]
     assert not missing, "options without help: " + ", ".join(missing)
     offending = []

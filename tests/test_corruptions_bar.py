@@ -1,17 +1,26 @@
-"""ImageNet-C-bar corruptions (our numpy code) and seeded on-the-fly corruptions: shape and dtype kept,
-severity monotone in distortion, the same seed the same bytes, hand-checked cases."""
+"""C-bar corruptions (our numpy code; ImageNet-C-bar's and CIFAR-10-C-bar's sets) and seeded on-the-fly
+corruptions: shape and dtype kept, severity monotone in distortion, the same seed the same bytes,
+hand-checked cases, the published severity tables."""
 
 import numpy as np
 import pytest
 from fastanchor.pipeline.corruptions import corrupt_image
+from fastanchor.errors import ConfigError
 from fastanchor.pipeline.corruptions_bar import (
+    C_BAR_LEVELS,
+    CIFAR_C_BAR_CORRUPTIONS,
     IMAGENET_C_BAR_CORRUPTIONS,
     IMAGENET_C_BAR_LEVELS,
     blue_noise_sample,
     checkerboard_cutout,
     corrupt_bar,
+    lines,
+    pinch_and_twirl,
+    ripple,
+    sample_transverse_chromatic_abberation,
     single_frequency_greyscale,
 )
+from fastanchor.trainer.config import load_config
 
 
 def make_image(size=64, seed=0):
@@ -96,3 +105,77 @@ def test_unknown_corruption_and_bad_severity_are_refused():
         corrupt_bar(make_image(), "fog", 1, 0)
     with pytest.raises(ValueError, match="severity 6"):
         corrupt_bar(make_image(), "sparkles", 6, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# CIFAR-10-C-bar: its ten corruptions at its levels, on 32 px images
+
+
+@pytest.mark.parametrize("name", CIFAR_C_BAR_CORRUPTIONS)
+def test_cifar_c_bar_runs_on_32px_images_seeded_and_grows_with_severity(name):
+    image = make_image(32)
+    for seed in (3, 11):
+        outputs = [corrupt_image(image, name, severity, seed, parameters="cifar-10-c-bar") for severity in range(1, 6)]
+        assert all(out.shape == (32, 32, 3) and out.dtype == np.uint8 for out in outputs)
+        distortions = [distortion(out, image) for out in outputs]
+        assert distortions[0] > 0
+        assert all(later >= earlier for earlier, later in zip(distortions, distortions[1:])), distortions
+        assert distortions[-1] > distortions[0]
+        assert np.array_equal(corrupt_bar(image, name, 3, seed, "cifar-10-c-bar"), outputs[2])  # same seed, same bytes
+    assert corrupt_bar(make_image(48)[:, :40], name, 2, 0, "cifar-10-c-bar").shape == (48, 40, 3)  # not only squares
+    if name not in ("circular_motion_blur",):  # a blur with no random parameter
+        assert not np.array_equal(corrupt_bar(image, name, 5, 3, "cifar-10-c-bar"), corrupt_bar(image, name, 5, 11, "cifar-10-c-bar"))
+
+
+def test_cifar_c_bar_table_is_the_published_one():
+    levels = C_BAR_LEVELS["cifar-10-c-bar"]
+    assert len(levels) == 10
+    assert levels["pinch_and_twirl"] == (5.5, 6.0, 6.5, 8.5, 10.0)
+    assert levels["sparkles"] == (0.7, 3.5, 5.6, 6.3, 7.0)
+    assert levels["lines"] == (0.5, 1.0, 1.5, 2.0, 2.5)
+    assert set(levels) & set(IMAGENET_C_BAR_LEVELS) == {"blue_noise_sample", "checkerboard_cutout", "inverse_sparkles",
+                                                         "brownish_noise", "sparkles"}
+    assert all(list(v) == sorted(v) for v in levels.values())
+
+
+def test_ripple_by_hand():
+    # wavelength 4 rows, phase 0, amplitude 1: row y shows row y + sin(pi y / 2) = 0, 2, 2, 2 (exact in float64)
+    image = np.array([10, 20, 30, 40], np.uint8).reshape(4, 1, 1).repeat(3, axis=2)
+    out = ripple(image, amplitude=1.0, wavelengths=(4.0, 4.0), phases=(0.0, 0.0))
+    assert out[:, 0, 0].tolist() == [10, 30, 30, 30]
+    assert np.array_equal(ripple(make_image(32), 0.0, (5.0, 7.0), (1.0, 2.0)), make_image(32))  # no amplitude, no change
+
+
+def test_pinch_and_twirl_by_hand():
+    # 3 x 3 cells of 10 px on 32 px, discs of radius 5 around (5, 5), (5, 15), ...; angle 0, amount 0.5.
+    image = make_image(32)
+    out = pinch_and_twirl(image, angles=np.zeros((3, 3)), amount=0.5)
+    for y, x in ((0, 0), (9, 9), (5, 5), (31, 31), (30, 4), (15, 15)):  # outside a disc, a centre, past the cells
+        assert (out[y, x] == image[y, x]).all()
+    # pixel (5, 8): offset (0, 3), d = 0.6: sampled at column 5 + 3 * sin(0.3 pi) ** -0.5, between columns 8 and 9
+    col = 5 + 3 * np.sin(0.3 * np.pi) ** -0.5
+    expected = image[5, 8].astype(np.float64) * (9 - col) + image[5, 9] * (col - 8)
+    assert out[5, 8].tolist() == np.floor(expected).astype(int).tolist()
+
+
+def test_lines_by_hand():
+    # angle 0: the line runs along the rows (from row - L to row + L) in column int(1.7) = 1, fully covered: grey
+    image = make_image(8)
+    out = lines(image, centres=np.array([[3.2, 1.7]]), angles=np.array([0.0]), half_length=8.0)
+    assert (out[:, 1] == 128).all()
+    assert np.array_equal(np.delete(out, 1, axis=1), np.delete(image, 1, axis=1))
+
+
+def test_transverse_chromatic_abberation_scales_are_the_published_three():
+    for seed in range(4):
+        scales = sample_transverse_chromatic_abberation(np.random.default_rng(seed), (32, 32), 5.0)["scales"]
+        assert sorted(scales.tolist()) == [1.0, 1.125, 1.25]  # level 5 of 0.5: 1, 1 + s/2, 1 + s in a random order
+
+
+def test_c_bar_parameters_choose_the_set_in_config():
+    config = load_config("demo", ["eval.corruption_bar_parameters=cifar-10-c-bar", "eval.corruptions_bar=[ripple, sparkles]"])
+    assert config.eval.corruptions_bar == ["ripple", "sparkles"]
+    with pytest.raises(ConfigError, match="unknown ImageNet-C-bar corruption 'ripple'"):
+        load_config("demo", ["eval.corruptions_bar=[ripple]"])
+    with pytest.raises(ConfigError, match="unknown CIFAR-10-C-bar corruption 'plasma_noise'"):
+        load_config("demo", ["eval.corruption_bar_parameters=cifar-10-c-bar", "eval.corruptions_bar=[plasma_noise]"])

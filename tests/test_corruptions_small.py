@@ -1,5 +1,6 @@
-"""CIFAR-10-C-strength corruptions (pipeline/corruptions_small.py) against independent references:
-imagecorruptions where a CIFAR-10-C parameter equals an ImageNet-C one, and hand-worked values."""
+"""CIFAR-10-C-strength corruptions (pipeline/corruptions_small.py, all 19) against independent references:
+imagecorruptions where a CIFAR-10-C parameter equals an ImageNet-C one, hand-worked values, the HSV formulas;
+every one on 32 px images, seeded, and growing with severity where CIFAR-10-C's severities do."""
 
 import numpy as np
 import pytest
@@ -74,8 +75,63 @@ def test_every_corruption_is_seeded_and_changes_the_image(name):
 def test_config_checks_names_against_the_parameter_set():
     config = Config()
     config.eval.corruption_parameters = "cifar-10-c"
-    config.eval.corruptions = ["gaussian_noise", "fog"]
-    with pytest.raises(ConfigError, match="cifar-10-c corruption 'fog'"):
+    config.eval.corruptions = ["gaussian_noise", "ripple"]  # a CIFAR-10-C-bar corruption (fog was unknown before all 19)
+    with pytest.raises(ConfigError, match="cifar-10-c corruption 'ripple'"):
         validate(config)
     config.eval.corruptions = ["gaussian_noise", "contrast"]
     validate(config)
+
+
+
+# CIFAR-10-C's own severities do not grow in mean pixel change for these: glass blur alternates its blur
+# (0.05, 0.25, 0.4, 0.25, 0.4) against more shuffling passes, saturate goes from desaturated (x0.3, x0.1) to
+# oversaturated (x1.5 ...), frost trades image weight for frost weight, elastic trades a global affine shift
+# (0.08 of the side at severity 1) for local warping, and spatter turns from water (1-3) to mud (4-5).
+NOT_MONOTONE = {"glass_blur", "saturate", "frost", "elastic_transform", "spatter"}
+
+
+@pytest.mark.parametrize("name", CIFAR_C_CORRUPTIONS)
+def test_every_corruption_runs_on_32px_images_and_grows_with_severity(name, tiny_dataset):
+    """Mean absolute change (0-255) from the clean image over the 24 val JPEGs (32 px) of the embedded dataset,
+    severities 1 to 5, the same seeds: non-decreasing, and severity 5 changes more than severity 1. (Per image
+    pixelate is not monotone at 32 px: a box resize to 30 and to 28 px alias differently; CIFAR-10-C's is the same.)
+    For the corruptions whose published severities are not monotone in this measure (NOT_MONOTONE), every severity
+    changes the images and severities differ from each other."""
+    from PIL import Image
+
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((tiny_dataset / "val").rglob("*.jpg"))]
+    assert len(images) == 24 and images[0].shape == (32, 32, 3)
+    outputs = [[corrupt_image(im, name, s, i, "cifar-10-c") for i, im in enumerate(images)] for s in range(1, 6)]
+    assert all(out.shape == (32, 32, 3) and out.dtype == np.uint8 for per_severity in outputs for out in per_severity)
+    changes = [np.mean([np.abs(out.astype(np.float64) - im).mean() for out, im in zip(per_severity, images)])
+               for per_severity in outputs]
+    assert min(changes) > 0, changes
+    if name in NOT_MONOTONE:
+        assert len({round(c, 6) for c in changes}) == 5, changes
+        return
+    assert all(later >= earlier for earlier, later in zip(changes, changes[1:])), changes
+    assert changes[-1] > changes[0], changes
+
+
+@pytest.mark.parametrize("name", ["fog", "glass_blur", "frost"])
+def test_published_helpers_leave_the_callers_numpy_stream_alone(name):
+    image = _image(5)
+    np.random.seed(11)
+    expected = np.random.rand()
+    np.random.seed(11)
+    first = corrupt_image(image, name, 4, seed=3, parameters="cifar-10-c")
+    assert np.random.rand() == expected
+    assert np.array_equal(first, corrupt_image(image, name, 4, seed=3, parameters="cifar-10-c"))
+    assert not np.array_equal(first, corrupt_image(image, name, 4, seed=4, parameters="cifar-10-c"))
+
+
+def test_brightness_and_saturate_are_the_hsv_formulas():
+    from skimage.color import hsv2rgb, rgb2hsv
+
+    image = _image(6)
+    hsv = rgb2hsv(image / 255.0)
+    hsv[..., 2] = np.clip(hsv[..., 2] + 0.3, 0, 1)  # brightness, severity 5
+    assert np.array_equal(corrupt_small(image, "brightness", 5, seed=0), np.rint(np.clip(hsv2rgb(hsv), 0, 1) * 255).astype(np.uint8))
+    hsv = rgb2hsv(image / 255.0)
+    hsv[..., 1] = np.clip(hsv[..., 1] * 2.5 + 0.2, 0, 1)  # saturate, severity 5
+    assert np.array_equal(corrupt_small(image, "saturate", 5, seed=0), np.rint(np.clip(hsv2rgb(hsv), 0, 1) * 255).astype(np.uint8))

@@ -1,4 +1,4 @@
-"""Imports only go down: root utilities <- kernels <- pipeline <- trainer <- benchmarks <- the CLI.
+"""Imports only go down: root utilities <- kernels <- pipeline <- trainer <- benchmarks, reproduce <- the CLI.
 
 The layers, bottom first (a module may import its own layer and the layers below it, nothing above):
 
@@ -13,6 +13,8 @@ The layers, bottom first (a module may import its own layer and the layers below
                 report  trainer/report/ (`fastanchor report`)
   benchmarks  fastanchor/benchmarks/ (benchmarks/cli.py included: the `bench` subcommand's parser and
               dispatch, which the CLI calls)
+  reproduce   fastanchor/reproduce/ (`fastanchor reproduce`: the papers' experiments as sweeps of runs), on
+              the floor of benchmarks: listed above it, and a test checks that neither imports the other
   cli         the `fastanchor` command and its entry points: fastanchor/cli/ (the console script
               `fastanchor = fastanchor.cli:main`, and the demo and recipes commands), fastanchor/__main__.py
               (`python -m fastanchor`) and benchmarks/__main__.py (`python -m fastanchor.benchmarks`)
@@ -40,11 +42,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fastanchor` package
 PACKAGE = "fastanchor"
-LAYERS = ("root", "kernels", "pipeline", "trainer", "benchmarks", "cli")
+LAYERS = ("root", "kernels", "pipeline", "trainer", "benchmarks", "reproduce", "cli")
 ROOT_MODULES = {"fastanchor": "root", "fastanchor.errors": "root", "fastanchor.files": "root",
                 "fastanchor.__main__": "cli"}
 CLI_MODULES = {"fastanchor.__main__", "fastanchor.benchmarks.__main__"}  # and every module under cli/
-SUBPACKAGES = ("kernels", "pipeline", "trainer", "benchmarks", "cli")
+SUBPACKAGES = ("kernels", "pipeline", "trainer", "benchmarks", "reproduce", "cli")
 TRAINER_PARTS = ("models", "core", "safety", "report")  # bottom first; "core": the modules directly in trainer/
 
 
@@ -214,6 +216,13 @@ def test_every_module_has_a_layer():
 def test_imports_only_go_down():
     problems = upward_imports(all_imports())
     assert not problems, "imports that point up (allowed: " + " <- ".join(LAYERS) + "):\n" + "\n".join(problems)
+
+
+def test_reproduce_and_benchmarks_share_a_floor():
+    """reproduce/ sits beside benchmarks/, not on it: neither imports the other (the CLI imports both)."""
+    across = [f"{i.importer} imports {i.imported} at line {i.line}" for i in all_imports()
+              if {layer_of(i.importer), layer_of(i.imported)} == {"benchmarks", "reproduce"}]
+    assert not across, "imports between benchmarks/ and reproduce/:\n" + "\n".join(across)
 
 
 def test_trainer_parts_only_import_down():

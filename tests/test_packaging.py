@@ -19,8 +19,9 @@ from fastanchor.trainer.config import recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("", "kernels", "pipeline", "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
-            "cli")  # folders whose *.py are the modules
-DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt")
+            "reproduce", "cli")  # folders whose *.py are the modules
+DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt", "pipeline/c_bar_levels.json",
+              "reproduce/paper_numbers/000.yaml")
 
 
 def shipped_files() -> set[str]:
@@ -85,6 +86,9 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     assert wnids == "200" and "cifar10-to-cifar10.1" in fits  # the shipped lines (paper 003, Table 3) since issue 27
     script = str(target / "bin" / "fastanchor")  # the console entry point, as pip wrote it
     assert "train" in run(script, "--help")
+    typed = run(sys.executable, "-c", "from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers\n"
+                                      "print(PAPER_NUMBERS, len(paper_numbers('tab1')['entries']))").split()
+    assert Path(typed[0]).is_relative_to(target) and int(typed[1]) > 0  # the paper's numbers ship with the wheel
     listed = run(script, "recipes")
     assert all(f"`{name}`" in listed for name in recipe_names() if "/" in name)
 

@@ -134,6 +134,19 @@ def test_transformer_and_cifar_schedules_by_hand():
     assert peak_lr(cifar, 128) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("name", [n for n in RECIPES if n.startswith("cifar/")])
+def test_cifar_recipes_evaluate_as_table_1(name):
+    """Table 1 of the anchoring paper: CIFAR-strength corruptions at severities 1-5: every on-the-fly CIFAR-10-C
+    corruption and CIFAR-10-C-bar's ten at its published levels."""
+    from fastanchor.pipeline.corruptions_bar import CIFAR_C_BAR_CORRUPTIONS
+    from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS
+
+    e = load_config(name).eval
+    assert e.severities == [1, 2, 3, 4, 5]
+    assert e.corruption_parameters == "cifar-10-c" and sorted(e.corruptions) == sorted(CIFAR_C_CORRUPTIONS)
+    assert e.corruption_bar_parameters == "cifar-10-c-bar" and sorted(e.corruptions_bar) == sorted(CIFAR_C_BAR_CORRUPTIONS)
+
+
 @pytest.mark.parametrize("name, at", [
     # ffcv-imagenet's get_resolution: 160 up to start_ramp, np.round(interp / 32) * 32 between, 192 from end_ramp
     ("imagenet/rn50_16_epochs", {0: 160, 11: 160, 12: 192, 13: 192, 15: 192}),  # 176 / 32 = 5.5 rounds to even: 6

@@ -50,7 +50,9 @@ from fastanchor.pipeline.eval_sets import (
 )
 from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
 from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.label_noise import LabelNoise, flip_labels, relabelled
 from fastanchor.pipeline.mixing import BatchMixer
+from fastanchor.pipeline.pixmix import DevicePixMix
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import (
     Corruption,
@@ -152,15 +154,19 @@ def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = Tru
 
 
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
-                 rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True):
+                 rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True,
+                 labels: np.ndarray | None = None):
     """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
     `policy` is augment.auto_augment (see pipeline.data.check_loader_supports), `hflip` augment.hflip
-    (random horizontal flips, or none); `progress`: the .beton writer's bar, if it writes."""
-    if data.loader == "ffcv":
+    (random horizontal flips, or none); `progress`: the .beton writer's bar, if it writes; `labels`: the
+    label of each sample of `index` to train with instead of its own (data.label_noise), for every loader."""
+    if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id
         return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.batch_size, train=True, image_size=data.image_size,
                           min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding, hflip=hflip,
                           workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
-                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1)
+                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1, labels=labels)
+    if labels is not None:
+        index = relabelled(index, labels)
     if data.loader == "dali":
         return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
                           crop=data.train_crop, padding=data.crop_padding, policy=policy, hflip=hflip,
@@ -259,18 +265,21 @@ def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, 
     e, d = config.eval, config.data
     transform = eval_transform(d.image_size, d.crop_ratio)
     on_the_fly = f"on the fly from {val_index.root}"
-    sets = [EvalSet(f"{name}@{severity}", "corruption", benchmark, on_the_fly,
+    # CIFAR-C / -C-bar arrays, when given, stand in for the on-the-fly corruptions of the same name and strength
+    cifar_files = cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform) if e.cifar_c_root else []
+    cifar_bar_files = cifar_c_sets(Path(e.cifar_c_bar_root), e.severities, classes, transform, "eval.cifar_c_bar_root",
+                                   "cifar-c-bar") if e.cifar_c_bar_root else []
+    from_files = {"cifar-10-c": {s.corruption for s in cifar_files}, "cifar-10-c-bar": {s.corruption for s in cifar_bar_files}}
+    sets = [EvalSet(f"{name}@{severity}", "corruption", parameters, on_the_fly,
                     DecodedImages(val_index, transform, Corruption(name, severity, e.seed, parameters)), name, severity)
-            for names, benchmark, parameters in ((e.corruptions, e.corruption_parameters, e.corruption_parameters),
-                                                 (e.corruptions_bar, "imagenet-c-bar", "imagenet-c"))
-            for name in names for severity in e.severities]
+            for names, parameters in ((e.corruptions, e.corruption_parameters), (e.corruptions_bar, e.corruption_bar_parameters))
+            for name in names if name not in from_files.get(parameters, ()) for severity in e.severities]
     if e.c_root:
         sets += corruption_tree_sets(Path(e.c_root), "eval.c_root", "imagenet-c-files", e.severities, classes, transform)
     if e.c_bar_root:
         sets += corruption_tree_sets(Path(e.c_bar_root), "eval.c_bar_root", "imagenet-c-bar-files", e.severities, classes,
                                      transform, IMAGENET_C_BAR_LEVELS)
-    if e.cifar_c_root:
-        sets += cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform)
+    sets += cifar_files + cifar_bar_files
     if e.imagenet_r:
         mask = imagenet_r_class_subset(classes)
         sets.append(folder_set("imagenet-r", Path(e.imagenet_r), "eval.imagenet_r", "dataset", "imagenet-r", transform,
@@ -347,10 +356,13 @@ def make_optimizer(model: torch.nn.Module, config: Config, world_size: int = 1) 
 
 
 def device_augmentations(g, seed: int) -> AugmentChain | None:
-    """The augment.* steps done on the device batch before pairing, in order: AugMix, random erasing."""
+    """The augment.* steps done on the device batch before pairing, in order: AugMix, PixMix, random erasing."""
     steps = {}
     if g.augmix:
         steps["augmix"] = DeviceAugMix(seed=seed + 1, severity=g.augmix_severity)
+    if g.pixmix:
+        steps["pixmix"] = DevicePixMix(seed=seed + 2, k=g.pixmix_k, beta=g.pixmix_beta, severity=g.pixmix_severity,
+                                       pictures=g.pixmix_pictures)
     if g.random_erasing > 0:
         steps["random_erasing"] = RandomErasing(g.random_erasing, seed=seed)
     return AugmentChain(steps) if steps else None
@@ -386,6 +398,17 @@ class Training:
     step: TrainStep
     scheduler: torch.optim.lr_scheduler.LambdaLR
     losses: LossWindow
+    label_noise: dict | None = None  # data.label_noise > 0: the flipped training labels (LabelNoise.record)
+
+
+def training_label_noise(data: DataConfig, index: ImageFolderIndex, seed: int) -> LabelNoise | None:
+    """data.label_noise's flips of the training split's labels, seeded by train.seed (None when 0)."""
+    if data.label_noise == 0:
+        return None
+    if len(index.classes) < 2:
+        raise ConfigError(f"data.label_noise = {data.label_noise}: '{index.root}' has {len(index.classes)} class; "
+                          f"flipping labels needs at least 2")
+    return flip_labels([label for _, label in index.samples], len(index.classes), data.label_noise, seed)
 
 
 def build_training(config: Config, processes: Processes, device: torch.device, point: ResumePoint | None) -> Training:
@@ -395,9 +418,11 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
     main_first(processes, lambda: ensure_dataset(config, progress=t.progress and processes.main))
     train_index = split_index(d, d.train_split)
     val_index = split_index(d, d.val_split, train_index.classes)
+    noise = training_label_noise(d, train_index, t.seed)
     shard = {"rank": processes.rank, "world_size": processes.world_size}
     loader = main_first(processes, lambda: train_loader(d, train_index, device, t.seed, policy=g.auto_augment,
-                                                        hflip=g.hflip, progress=t.progress, **shard))
+                                                        hflip=g.hflip, progress=t.progress,
+                                                        labels=None if noise is None else noise.labels, **shard))
     val_loader = main_first(processes, lambda: eval_loader(d, val_index, device, progress=t.progress, **shard))
     if len(loader) == 0:
         raise ConfigError(f"data.batch_size = {d.batch_size} is larger than the {len(train_index)} "
@@ -439,4 +464,5 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
         unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
         skip_nonfinite=t.nonfinite == "skip", processes=processes)
     return Training(train_index.classes, loader, val_loader, steps_per_epoch, FixedReferenceSet(inference.images.to(device)),
-                    inference.origin, stage, step, scheduler, LossWindow(device))
+                    inference.origin, stage, step, scheduler, LossWindow(device),
+                    None if noise is None else noise.record(train_index))

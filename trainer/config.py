@@ -65,6 +65,7 @@ class DataConfig:
     eval_batch_size: int = option(256, "evaluation batch size")
     workers: int = option(2, "data-loading worker processes (0: the main process); FFCV and DALI: decoding threads (0: 1)")
     drop_last: bool = option(True, "drop the last incomplete training batch")
+    label_noise: float = option(0.0, "fraction of training labels flipped to another class, seeded by train.seed (0: none)")
 
 
 @dataclass
@@ -73,6 +74,11 @@ class AugmentConfig:
     auto_augment: str = option("none", "per-image policy after the crop and flip (torchvision's --auto-augment); torchvision and DALI only", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
     augmix: bool = option(False, "AugMix (torchvision's v2.AugMix) per image on the device batch, for every loader")
     augmix_severity: int = option(3, "AugMix severity of its operations (1 to 10)")
+    pixmix: bool = option(False, "PixMix with generated fractals and feature-like pictures on the device batch, every loader")
+    pixmix_k: int = option(4, "PixMix: at most this many mixing rounds per image (the paper's k: 4)")
+    pixmix_beta: float = option(3.0, "PixMix: Beta parameter of the mixing weights (the paper's beta: CIFAR 3, ImageNet 4)")
+    pixmix_severity: int = option(3, "PixMix: severity of its augmentations, 1 to 10 (the paper's: CIFAR 3, ImageNet 1)")
+    pixmix_pictures: int = option(512, "PixMix: mixing pictures generated per image size (half fractals, half feature-like)")
     random_erasing: float = option(0.0, "probability of erasing one random rectangle per training image (torchvision's RandomErasing)")
     mixup_alpha: float = option(0.0, "Mixup: mixing weight drawn from Beta(alpha, alpha) per batch (0 disables)")
     cutmix_alpha: float = option(0.0, "CutMix: box area fraction drawn from Beta(alpha, alpha) per batch (0 disables)")
@@ -162,7 +168,8 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     corruptions: list = option(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
-    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "ImageNet-C-bar corruptions applied on the fly to the validation split")
+    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "C-bar corruptions applied on the fly to the validation split")
+    corruption_bar_parameters: str = option("imagenet-c-bar", "set and levels of eval.corruptions_bar: ImageNet-C-bar's (224 px) or CIFAR-10-C-bar's (32 px)", choices=("imagenet-c-bar", "cifar-10-c-bar"))
     corruption_parameters: str = option("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
     severities: list = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = option(10, "K references per test sample for the mean prediction and the std score (anchored models)")
@@ -176,6 +183,7 @@ class EvalConfig:
     c_root: str = option("", "pre-generated ImageNet-C tree <root>/<corruption>/<severity>/<class>/<image> ('' to skip)")
     c_bar_root: str = option("", "pre-generated ImageNet-C-bar tree, severity folders 1-5 or the published levels ('' to skip)")
     cifar_c_root: str = option("", "CIFAR-10/100-C folder of <corruption>.npy (5 severities x N) and labels.npy ('' to skip)")
+    cifar_c_bar_root: str = option("", "CIFAR-10/100-C-bar folder, laid out as eval.cifar_c_root ('' to skip)")
     imagenet_r: str = option("", "ImageNet-R ImageFolder, evaluated with the 200-class logit mask ('' to skip)")
     datasets: list = option([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
     ood_sets: list = option([], "OOD ImageFolders besides data.ood_split (e.g. Textures, NINCO), as name=path")
@@ -429,6 +437,7 @@ def validate(config: Config) -> None:
            f"data.batch_size = {d.batch_size}: in-batch (derangement) references need a batch of at least 2")
     _check(d.eval_batch_size >= 1, f"data.eval_batch_size = {d.eval_batch_size}: expected >= 1")
     _check(d.workers >= 0, f"data.workers = {d.workers}: expected >= 0")
+    _check(0.0 <= d.label_noise < 1.0, f"data.label_noise = {d.label_noise}: expected a fraction in [0, 1)")
     _check(d.ffcv_max_resolution >= 0, f"data.ffcv_max_resolution = {d.ffcv_max_resolution}: expected >= 0")
     _check(1 <= d.ffcv_jpeg_quality <= 100, f"data.ffcv_jpeg_quality = {d.ffcv_jpeg_quality}: expected 1 to 100")
     _check(0.0 <= d.ffcv_compress_probability <= 1.0, f"data.ffcv_compress_probability = {d.ffcv_compress_probability}: expected [0, 1]")
@@ -482,6 +491,10 @@ def validate(config: Config) -> None:
     _check(len(f.jigsaw_grids) > 0 and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 for g in f.jigsaw_grids),
            f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: expected a non-empty list of integers >= 2")
     _check(1 <= config.augment.augmix_severity <= 10, f"augment.augmix_severity = {config.augment.augmix_severity}: expected 1 to 10")
+    _check(g.pixmix_k >= 0, f"augment.pixmix_k = {g.pixmix_k}: expected >= 0 mixing rounds")
+    _check(g.pixmix_beta > 0, f"augment.pixmix_beta = {g.pixmix_beta}: expected > 0")
+    _check(1 <= g.pixmix_severity <= 10, f"augment.pixmix_severity = {g.pixmix_severity}: expected 1 to 10")
+    _check(g.pixmix_pictures >= 1, f"augment.pixmix_pictures = {g.pixmix_pictures}: expected >= 1")
     emb = config.embedded
     _check(32 <= emb.image_size <= 256, f"embedded.image_size = {emb.image_size}: expected 32 to 256 pixels")
     from fastanchor.trainer.models import check_model_name  # imported late: timm is slow to import
@@ -500,10 +513,12 @@ def validate(config: Config) -> None:
     _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
     _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
     _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
-    from fastanchor.pipeline.corruptions import CORRUPTIONS, IMAGENET_C_BAR_CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.corruptions import BAR_CORRUPTIONS, CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.corruptions_bar import C_BAR_TITLES
     from fastanchor.pipeline.eval_sets import check_named_paths
 
     check_corruption_names(e.corruptions, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
-    check_corruption_names(e.corruptions_bar, IMAGENET_C_BAR_CORRUPTIONS, "ImageNet-C-bar corruption")
+    check_corruption_names(e.corruptions_bar, BAR_CORRUPTIONS[e.corruption_bar_parameters],
+                           f"{C_BAR_TITLES[e.corruption_bar_parameters]} corruption")
     check_named_paths(e.datasets, "eval.datasets")
     check_named_paths(e.ood_sets, "eval.ood_sets")

@@ -2,6 +2,7 @@
 
     <train.out_dir>/<train.run_name>/
         config.yaml                  the config trained with
+        label_noise.json             the training labels data.label_noise flipped (when it is > 0)
         metrics.jsonl                one line per log step and per epoch (TensorBoard events beside it)
         checkpoints/epoch_*.pt       (superseded/: newer checkpoints a resume set aside)
         final.pt                     -> the last epoch's checkpoint
@@ -30,6 +31,7 @@ class RunFolder:
     root: Path
 
     config = property(lambda self: self.root / "config.yaml")
+    label_noise = property(lambda self: self.root / "label_noise.json")
     metrics = property(lambda self: self.root / "metrics.jsonl")
     checkpoints = property(lambda self: self.root / "checkpoints")
     final = property(lambda self: self.root / "final.pt")
@@ -78,6 +80,9 @@ class RunFolder:
 
     def write_config(self, config: Config) -> None:
         atomic_write_bytes(self.config, lambda handle: handle.write(yaml.safe_dump(config.to_dict(), sort_keys=False).encode()))
+
+    def write_label_noise(self, record: dict) -> None:
+        atomic_write_bytes(self.label_noise, lambda handle: handle.write(json.dumps(record).encode()))
 
     def link_final(self, checkpoint: Path) -> None:
         """final.pt -> the last epoch's checkpoint (replaced atomically)."""

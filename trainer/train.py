@@ -113,6 +113,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
         remove_temporaries(folder.checkpoints)
         if point is None:
             folder.write_config(config)
+            if run.label_noise is not None:
+                folder.write_label_noise(run.label_noise)
         else:
             moved = set_aside_newer(point.path)
             print(f"resuming from '{point.path}' (epoch {at.epoch + 1}, batch {at.batch} of {run.steps_per_epoch}, "

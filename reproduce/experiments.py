@@ -1,0 +1,201 @@
+"""The experiments of paper 000 (Narayanaswamy et al. 2024, anchoring) as declarative tables of runs.
+
+An `Experiment` names what it sweeps (`values`, per scale), the training arms compared at each value,
+the default number of seeds, the small-scale epochs and what is evaluated. `plan()` expands it into
+`Run`s for a scale: one `fastanchor train` (recipe + overrides) and one `fastanchor evaluate` each.
+Issue 27's SFT and effective-robustness experiments plug in as more entries of EXPERIMENTS.
+
+Arms: standard (3-channel model), anchored (vanilla anchoring, alpha = 0) and masking (the paper's
+"proposed": reference masking with the setup's alpha, whole batches masked, as the paper does).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from fastanchor.errors import ConfigError
+from fastanchor.reproduce.scales import Evaluation, Setup, setups
+
+ARMS = ("standard", "anchored", "masking")
+ARM_LABELS = {"standard": "Standard", "anchored": "Anchored (alpha 0)", "masking": "Masking (proposed)"}
+WHOLE = "whole"  # |R| = the whole training set
+
+
+@dataclass(frozen=True)
+class Run:
+    experiment: str
+    name: str                  # the run's folder under <out>/<experiment>/
+    setup: str
+    arm: str
+    value: object              # the swept value (None: the experiment sweeps nothing for this arm)
+    seed: int
+    recipe: str
+    train: tuple[str, ...]     # `fastanchor train --set` overrides (output folder and seed included)
+    evaluate: tuple[str, ...]  # `fastanchor evaluate --set` overrides
+
+    def folder(self, out: Path) -> Path:
+        return Path(out) / self.experiment / self.name
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str                 # one line for --help
+    source: str                # the paper's figure or table
+    axis: str                  # what `values` are ('' : nothing swept)
+    values: dict[str, tuple]   # per scale ('default' for the scales not named)
+    arms: tuple[str, ...]
+    seeds: int
+    small_epochs: int
+    evaluation: dict[str, Evaluation]  # per scale ('default' for the rest)
+    overrides: Callable[[Setup, str, object], list[str]] = lambda setup, arm, value: []
+    arm_values: Callable[[str, tuple], tuple] = lambda arm, values: values  # the values an arm runs at
+    setups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per scale; default: the first setup
+    # how the result is shown (table columns, figure layout): aggregate.VIEWS[name]
+    log_x: bool = False
+    paper: str = "000"         # the paper (papers/<paper>_*.txt) and its numbers file paper_numbers/<paper>.yaml
+
+    def values_at(self, scale: str) -> tuple:
+        return self.values.get(scale, self.values["default"])
+
+    def evaluation_at(self, scale: str) -> Evaluation:
+        return self.evaluation.get(scale, self.evaluation["default"])
+
+
+def arm_overrides(setup: Setup, arm: str) -> tuple[str, list[str]]:
+    """The recipe and overrides of a training arm."""
+    if arm == "standard":
+        return setup.standard, ["anchor.enabled=false"]
+    if arm == "anchored":
+        return setup.anchored, ["anchor.enabled=true", "anchor.alpha=0.0"]
+    if arm == "masking":
+        return setup.anchored, ["anchor.enabled=true", f"anchor.alpha={setup.alpha}", "anchor.mask_level=batch"]
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def reference_set(setup: Setup, arm: str, size) -> list[str]:
+    """Figure 1: |R| training references held fixed (the whole set: all training images, or in-batch
+    derangement references where the set cannot be held)."""
+    if arm == "standard" or size is None:
+        return []
+    if size == WHOLE and not setup.whole:
+        return ["anchor.references=derangement"]
+    count = setup.whole if size == WHOLE else int(size)
+    no_resizing = ["data.resolution_start=0", "data.resolution_end=0"] if setup.name.startswith(("swin", "vit")) else []
+    return ["anchor.references=fixed", f"anchor.fixed_size={count}", *no_resizing]
+
+
+def alpha(setup: Setup, arm: str, value) -> list[str]:
+    return [f"anchor.alpha={value}"]
+
+
+AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; AugMix beside them
+    "geometric": ["augment.auto_augment=none", "augment.augmix=false"],
+    "randaugment": ["augment.auto_augment=randaugment", "augment.augmix=false"],
+    "trivialaugment": ["augment.auto_augment=trivialaugment_wide", "augment.augmix=false"],
+    "augmix": ["augment.auto_augment=none", "augment.augmix=true"],
+    "pixmix": ["augment.auto_augment=none", "augment.augmix=false", "augment.pixmix=true"],
+}
+
+
+def augmentation(setup: Setup, arm: str, value) -> list[str]:
+    per_image = value in ("randaugment", "trivialaugment") and setup.name.startswith("cifar")
+    return AUGMENTATIONS[value] + (["data.loader=torchvision"] if per_image else [])  # FFCV has no per-image policies
+
+
+def label_noise(setup: Setup, arm: str, value) -> list[str]:
+    return [f"data.label_noise={value / 100}"] if value else []  # percent of training labels
+
+
+SEVERITY_5 = Evaluation(severities=(5,))
+CORRUPTION_C = Evaluation()
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
+    Experiment(
+        "fig1", "reference-set size |R| from 5 to the whole training set: standard vs anchored vs masking",
+        "Figure 1", "|R|",
+        {"tiny": (5, WHOLE), "small": (5, 10, 50, 500, WHOLE), "cifar": (5, 10, 50, 100, 500, 1000, 5000, WHOLE),
+         "default": (5, 50, 500, 5000, WHOLE)},
+        ARMS, 3, 12, {"default": CORRUPTION_C}, reference_set,
+        arm_values=lambda arm, values: (None,) if arm == "standard" else values,
+        setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18")}, log_x=True),
+    Experiment(
+        "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
+        "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
+        {"default": Evaluation(references=10, blt=True), "small": Evaluation(severities=(1, 3, 5), references=10, blt=True)},
+        setups={"cifar": ("cifar100_resnet18",)}),
+    Experiment(
+        "tab1", "generalisation: ID and corruption accuracy per severity on C and C-bar",
+        "Table 1 (CIFAR); Tables 2 and 6 (ImageNet)", "", {"default": (None,)}, ARMS, 2, 24,
+        {"default": Evaluation(corruptions_bar=True), "imagenet": Evaluation(corruptions_bar=True, datasets=True)},
+        setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18", "cifar100_wrn40_2"),
+                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
+    Experiment(
+        "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
+        ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True, references=10)},
+        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
+    Experiment(
+        "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
+        {"tiny": (0.0, 1.0), "default": (0.0, 0.25, 0.5, 0.75, 1.0)}, ("masking",), 3, 12,
+        {"default": CORRUPTION_C}, alpha, setups={"cifar": ("cifar100_resnet18",)}),
+    Experiment(
+        "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
+        "Figure 5a", "augmentation",
+        {"tiny": ("geometric", "augmix", "pixmix"), "default": tuple(AUGMENTATIONS)}, ARMS, 2, 12,
+        {"default": SEVERITY_5}, augmentation, setups={"cifar": ("cifar100_resnet18",)}),
+    Experiment(
+        "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
+        "label noise (%)", {"tiny": (0, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 2, 8,
+        {"default": CORRUPTION_C}, label_noise, setups={"cifar": ("cifar100_resnet18",)}),
+)}
+
+
+def unknown_experiment(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, list(EXPERIMENTS), n=2)
+    hint = f"did you mean {', '.join(close)}?" if close else "one of " + ", ".join(EXPERIMENTS)
+    return ConfigError(f"unknown experiment {name!r}: expected an experiment of `fastanchor reproduce --help` ({hint})")
+
+
+def experiment_lines() -> str:
+    """One line per experiment, for `fastanchor reproduce --help`."""
+    return "experiments:\n" + "\n".join(f"  {e.name:<6} {e.title} (paper {e.paper}, {e.source})" for e in EXPERIMENTS.values())
+
+
+AXIS_KEYS = {"|R|": "R", "alpha": "alpha", "augmentation": "", "label noise (%)": "noise"}  # run-name prefixes
+
+
+def value_slug(value) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]", "_", str(value))
+
+
+def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
+         progress: bool = True) -> tuple[list[Run], list[str]]:
+    """Every run of `experiment` at `scale`, and notes on the data the plan found or left out."""
+    found = setups(scale, data)
+    names = experiment.setups.get(scale, (next(iter(found)),))
+    count = seeds or (1 if scale == "tiny" else experiment.seeds)
+    ev = experiment.evaluation_at(scale)
+    runs, notes = [], []
+    for name in names:
+        setup = found[name]
+        notes += [n for n in setup.notes_for(ev) if n not in notes]
+        for arm in experiment.arms:
+            recipe, arm_sets = arm_overrides(setup, arm)
+            for value in experiment.arm_values(arm, experiment.values_at(scale)):
+                for seed in range(count):
+                    parts = [setup.name, arm] + ([AXIS_KEYS[experiment.axis] + value_slug(value)]
+                                                 if value is not None else []) + [f"s{seed}"]
+                    run_name = "-".join(parts)
+                    train = [*setup.train, *arm_sets, *experiment.overrides(setup, arm, value)]
+                    if setup.small_epochs:
+                        train.append(f"train.epochs={experiment.small_epochs}")
+                    train += [f"train.seed={seed}", f"train.out_dir={Path(out) / experiment.name}",
+                              f"train.run_name={run_name}", f"train.device={device}",
+                              f"train.progress={str(progress).lower()}"]
+                    evaluate = [*setup.evaluation(ev), f"eval.seed={seed}"]
+                    runs.append(Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train),
+                                    tuple(evaluate)))
+    return runs, notes

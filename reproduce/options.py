@@ -1,0 +1,54 @@
+"""The options of `fastanchor reproduce` as a dataclass (flags and help generated from it). No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastanchor.errors import ConfigError
+from fastanchor.trainer.config import option
+
+SCALES = ("tiny", "small", "cifar", "imagenet")
+
+
+@dataclass
+class ReproduceFlags:
+    """The flags of `fastanchor reproduce` (ReproduceOptions adds the positional EXPERIMENT)."""
+
+    scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU)", choices=SCALES)
+    data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")
+    out: str = option("runs/reproduce", "where <experiment>/<run>/ and the aggregated result files are written")
+    seeds: int = option(0, "seeds per configuration (0: the experiment's default)")
+    dry_run: bool = option(False, "print every run's train and evaluate command lines; run nothing")
+    tiny: bool = option(False, "the same as --scale tiny: a few steps on a tiny dataset, for CI")
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    max_runs: int = option(0, "stop after training this many runs (0: all); a later call goes on from there")
+    aggregate_only: bool = option(False, "only aggregate the runs already finished into the result files")
+    record: str = option("", "also write result.json, result.png and a generated README.md into <record>/<experiment>/")
+    progress: bool = option(True, "progress bars while training and evaluating")
+
+
+@dataclass
+class ReproduceOptions(ReproduceFlags):
+    experiment: str = option("", "the experiment to run (listed by `fastanchor reproduce --help`)", positional=True)
+
+    @property
+    def effective_scale(self) -> str:
+        return "tiny" if self.tiny else self.scale
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad option."""
+        from fastanchor.reproduce.experiments import EXPERIMENTS, unknown_experiment
+
+        if self.experiment not in EXPERIMENTS:
+            raise unknown_experiment(self.experiment)
+        checks = [
+            ("scale", self.scale in SCALES, ", ".join(SCALES)),
+            ("seeds", self.seeds >= 0, "0 (the experiment's default) or a positive count"),
+            ("max_runs", self.max_runs >= 0, "0 (all) or a positive count"),
+            ("data", bool(self.data) or self.effective_scale in ("tiny", "small"),
+             f"the data root (--data ROOT) at scale {self.effective_scale}: docs/reproduce.md lists what it holds"),
+            ("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"), "auto, cpu, cuda or cuda:N"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} = {getattr(self, name)!r}: expected {expected}")

@@ -1,0 +1,266 @@
+"""`fastanchor reproduce`: every experiment at tiny size end to end (real JPEGs, real training steps,
+the real evaluator), the paper-scale command lines parsed by the config loader, and resumption.
+
+The aggregated numbers are checked against their own recomputation from each run's eval.json
+per-set entries (not the evaluator's per-severity means the aggregation reads)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import TINY_SPEC, run_cli, run_main
+from fastanchor.reproduce.aggregate import PAPER_NUMBERS, VIEWS, paper_numbers
+from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan
+from fastanchor.reproduce.record import regenerate
+from fastanchor.reproduce.scales import TINY_EMBEDDED
+from fastanchor.reproduce.sweep import execute
+from fastanchor.trainer.config import load_config
+
+def reproduce(*args):
+    result = run_main("reproduce", *map(str, args))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_tiny_scale_uses_the_test_datasets_spec():
+    assert TINY_EMBEDDED == TINY_SPEC  # so --tiny --data <the tiny dataset> reuses it as it is
+
+
+def test_help_lists_every_experiment_in_one_line():
+    text = run_cli("reproduce", "--help").stdout
+    listed = re.findall(r"^  (\S+) +\S.*\(paper \d+, .+\)$", text, re.MULTILINE)
+    assert listed == list(EXPERIMENTS) and len(listed) >= 7
+    for flag in ("--scale", "--data", "--out", "--seeds", "--dry-run", "--tiny"):
+        assert flag in text
+
+
+def test_unknown_experiment_is_one_line():
+    result = run_main("reproduce", "fig9", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "unknown experiment 'fig9'" in result.stderr
+
+
+def test_paper_scales_need_a_data_root():
+    result = run_main("reproduce", "tab1", "--scale", "cifar", "--dry-run")
+    assert result.returncode == 2 and "--data" in result.stderr
+
+
+def dry_run_commands(text: str) -> list[tuple[list[str], list[str]]]:
+    lines = [line for line in text.splitlines() if line.startswith("fastanchor ")]
+    assert len(lines) % 2 == 0
+    return [(shlex.split(a), shlex.split(b)) for a, b in zip(lines[::2], lines[1::2])]
+
+
+def sets(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+@pytest.mark.parametrize("scale", ["cifar", "imagenet"])
+@pytest.mark.parametrize("experiment", list(EXPERIMENTS))
+def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tmp_path):
+    out = tmp_path / "out"
+    text = reproduce(experiment, "--scale", scale, "--data", tmp_path / "data", "--out", out, "--dry-run").stdout
+    commands = dry_run_commands(text)
+    runs, _ = plan(EXPERIMENTS[experiment], scale, str(tmp_path / "data"), str(out))
+    assert len(commands) == len(runs) and len(runs) >= 2
+    assert not out.exists()  # a dry run writes nothing
+    seeds_seen = set()
+    for train, evaluate in commands:
+        assert train[:3] == ["fastanchor", "train", "--config"] and train[4:6] == ["--resume", "auto"]
+        assert evaluate[:3] == ["fastanchor", "evaluate", "--checkpoint"]
+        overrides = sets(train) + sets(evaluate)
+        values = dict(o.split("=", 1) for o in overrides)
+        assert Path(evaluate[3]) == out / experiment / values["train.run_name"] / "final.pt"
+        assert values["train.out_dir"] == str(out / experiment)
+        seeds_seen.add(int(values["train.seed"]))
+        config = load_config(train[3], overrides)  # raises on anything that does not parse
+        assert config.train.epochs >= 100  # the paper's schedules, not a shortened one
+        assert str(config.data.root).startswith(str(tmp_path / "data"))
+    assert seeds_seen == set(range(EXPERIMENTS[experiment].seeds))
+
+
+def test_dry_run_fig1_sweeps_the_fixed_reference_set_from_5_to_the_training_set(tmp_path):
+    text = reproduce("fig1", "--scale", "cifar", "--data", tmp_path, "--out", tmp_path / "out", "--dry-run").stdout
+    sizes = {}
+    for train, _ in dry_run_commands(text):
+        values = dict(o.split("=", 1) for o in sets(train))
+        if values["anchor.enabled"] == "true":
+            assert values["anchor.references"] == "fixed"
+            sizes.setdefault(values["anchor.alpha"], set()).add(int(values["anchor.fixed_size"]))
+    assert set(sizes) == {"0.0", "0.25"}  # vanilla anchoring and the paper's CIFAR masking probability
+    assert all(min(s) == 5 and max(s) == 50_000 for s in sizes.values())  # CIFAR's whole training set
+
+
+def test_paper_numbers_are_typed_once_with_their_source():
+    data = yaml.safe_load((PAPER_NUMBERS / "000.yaml").read_text())
+    assert set(data["experiments"]) == {name for name, e in EXPERIMENTS.items() if e.paper == "000"}
+    assert set(VIEWS) == set(EXPERIMENTS)  # every experiment says how its result is shown
+    for name, block in data["experiments"].items():
+        assert block["tables"] or block["not_typed"], f"{name}: neither numbers nor a note on why none"
+        for table in block["tables"]:
+            assert re.fullmatch(r"(Table|Figure) \d+[a-z]?", table["source"])
+            for row in table["rows"]:
+                assert row["arm"] in ARMS and len(row["values"]) == len(table["columns"]), (name, row)
+    tab4 = {e["value"]: e["number"] for e in paper_numbers("tab4")["entries"] if e["metric"] == "c_mean"}
+    assert tab4 == {0.0: 51.01, 0.25: 53.77, 0.5: 52.61, 0.75: 52.30, 1.0: 35.40}
+
+
+def severity_means_from_sets(result: dict, severity: int, bar: bool) -> float | None:
+    """The mean top-1 of one benchmark at one severity, recomputed from the per-set entries of eval.json."""
+    values = [s["top1"] for s in result["shifts"].values()
+              if s["kind"] == "corruption" and s["severity"] == severity and ("bar" in s["benchmark"]) == bar]
+    return float(np.mean(values)) if values else None
+
+
+def check_result(experiment: str, out: Path, runs) -> dict:
+    folder = out / experiment
+    result = json.loads((folder / "result.json").read_text())
+    assert result["missing"] == []
+    assert sorted(r["run"] for r in result["runs"]) == sorted(r.name for r in runs)
+    markdown = (folder / "result.md").read_text()
+    png = (folder / "result.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    for group in result["summary"]:
+        members = [r for r in runs if (r.setup, r.arm, r.value) == (group["setup"], group["arm"], group["value"])]
+        assert group["seeds"] == sorted(r.seed for r in members)
+        evaluations = [json.loads((r.folder(out) / "eval.json").read_text()) for r in members]
+        ids = [e["id"]["top1"] for e in evaluations]
+        assert group["metrics"]["id_top1"]["mean"] == pytest.approx(np.mean(ids))
+        assert f"{np.mean(ids):.2f}" in markdown
+        for severity in (1, 5):
+            expected = [severity_means_from_sets(e, severity, bar=False) for e in evaluations]
+            if expected[0] is not None:
+                assert group["metrics"][f"c_sev{severity}"]["mean"] == pytest.approx(np.mean(expected))
+    return result
+
+
+HEAVIER = {"fig1", "fig5a", "fig5b"}  # five or six tiny runs each
+
+
+@pytest.mark.parametrize("experiment", [pytest.param(e, marks=pytest.mark.slow) if e in HEAVIER else e
+                                        for e in EXPERIMENTS])
+def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    stdout = reproduce(experiment, "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress",
+                       "--record", tmp_path / "record").stdout
+    runs, _ = plan(EXPERIMENTS[experiment], "tiny", str(tiny_dataset), str(out))
+    assert f"{len(runs)} trained, {len(runs)} evaluated, 0 skipped" in stdout
+    result = check_result(experiment, out, runs)
+    view = VIEWS[experiment]
+    assert any(re.fullmatch(p, m) for g in result["summary"] for m in g["metrics"] for p in view.plot_metrics)
+    if experiment == "fig2":  # every protocol on the shift sets too, with its time
+        assert all({"c_top1_k", "c_top1_blt", "ms_k_pooled", "ms_blt_pooled"} <= set(g["metrics"]) for g in result["summary"])
+    record = tmp_path / "record" / experiment
+    assert json.loads((record / "result.json").read_text())["runs"] == result["runs"]
+    readme = (record / "README.md").read_text()
+    assert "fastanchor reproduce " + experiment in readme and "docs/reproduce.md" in readme
+    assert (record / "result.png").read_bytes() == (out / experiment / "result.png").read_bytes()
+    assert f"| [{experiment}]({experiment}/README.md)" in (tmp_path / "record" / "README.md").read_text()
+
+
+def test_tiny_paper_columns_sit_beside_ours(tiny_dataset, tmp_path):
+    """Table 1's CIFAR-10 numbers are shown beside the small setups' (which stand for CIFAR-10 ResNet-18)."""
+    out = tmp_path / "out"
+    reproduce("tab1", "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress")
+    result = json.loads((out / "tab1" / "result.json").read_text())
+    standard = next(g for g in result["summary"] if g["arm"] == "standard")
+    assert standard["paper"]["id_top1"] == {"number": 95.15, "source": "Table 1"}
+    assert standard["paper"]["c_sev5"]["number"] == 58.72
+    assert "| 95.15 |" in (out / "tab1" / "result.md").read_text()
+    record = tmp_path / "record"
+    reproduce("tab1", "--tiny", "--data", tiny_dataset, "--out", out, "--aggregate-only", "--record", record)
+    written = (record / "tab1" / "README.md").read_text()
+    (record / "tab1" / "README.md").unlink()
+    regenerate(record / "tab1")  # the committed README comes back from the committed result.json alone
+    assert (record / "tab1" / "README.md").read_text() == written
+
+
+def test_a_stopped_sweep_goes_on_where_it_stopped(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    args = ("tab1", "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress")
+    first = reproduce(*args, "--max-runs", "1").stdout
+    runs, _ = plan(EXPERIMENTS["tab1"], "tiny", str(tiny_dataset), str(out))
+    assert len(runs) == 3 and "1 trained, 1 evaluated" in first
+    done = runs[0].folder(out)
+    assert (done / "final.pt").exists() and (done / "eval.json").is_file()
+    assert not any(r.folder(out).exists() for r in runs[1:])
+    assert json.loads((out / "tab1" / "result.json").read_text())["missing"] == [r.name for r in runs[1:]]
+    stamps = {p: p.stat().st_mtime_ns for p in (done / "eval.json", done / "final.pt", *done.glob("checkpoints/*.pt"))}
+
+    second = reproduce(*args).stdout
+    assert f"[1/3] tab1/{runs[0].name}: done (final.pt and eval.json), skipped" in second
+    assert "2 trained, 2 evaluated, 1 skipped" in second
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # the finished run was not touched
+    check_result("tab1", out, runs)
+
+
+def test_a_half_trained_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
+    """A run killed after its first of two epochs (its newest checkpoint and final.pt gone) resumes through the
+    trainer's --resume auto: the first epoch's checkpoint is kept, the run ends with final.pt and eval.json."""
+    out = tmp_path / "out"
+    runs, _ = plan(EXPERIMENTS["tab4"], "tiny", str(tiny_dataset), str(out), device="cpu", progress=False)
+    run = dataclasses.replace(runs[0], train=runs[0].train + ("train.epochs=2",))
+    execute([run], out, "cpu", progress=False)
+    folder = run.folder(out)
+    first, last = folder / "checkpoints" / "epoch_001.pt", folder / "checkpoints" / "epoch_002.pt"
+    assert first.exists() and last.exists()
+    stamp = first.stat().st_mtime_ns
+    for path in (last, folder / "final.pt", folder / "eval.json"):
+        path.unlink()
+    assert execute([run], out, "cpu", progress=False) == {"skipped": 0, "trained": 1, "evaluated": 1}
+    assert first.stat().st_mtime_ns == stamp and last.exists()
+    assert (folder / "final.pt").resolve() == last.resolve() and (folder / "eval.json").is_file()
+    assert execute([run], out, "cpu", progress=False) == {"skipped": 1, "trained": 0, "evaluated": 0}
+
+
+def test_metrics_of_a_hand_made_evaluation():
+    """Every key of the aggregation from a hand-written eval.json: per-severity means per benchmark (C and
+    C-bar apart), the per-protocol block, OOD AUROC in percent and the paper's Vision OOD mean."""
+    from fastanchor.reproduce.aggregate import metrics_of
+
+    result = {
+        "id": {"top1": 90.0, "top1_k10": 91.0, "top1_blt": 89.0},
+        "ms_per_1000": {"one_reference": 2.0, "k10": 20.0, "blt": 40.0},
+        "severity_mean_top1": {"cifar-10-c": {"1": 80.0, "5": 40.0}, "imagenet-c-bar": {"1": 70.0, "5": 50.0}},
+        "shifts": {"sketch": {"kind": "dataset", "top1": 30.0}},
+        "calibration": {"smece_mean": 0.1, "smece_std": 0.02},
+        "by_protocol": {"k10": {"severity_mean_top1": {"cifar-10-c": {"1": 82.0, "5": 44.0}},
+                                "ms_per_1000": {"pooled": 25.0}},
+                        "blt": {"severity_mean_top1": {}, "ms_per_1000": {"pooled": 45.0}}},
+        "ood": {"auroc": {"energy": 0.8}, "sets": {name: {"energy": {"auroc": value}} for name, value in
+                                                   (("iSUN", 0.7), ("Textures", 0.8), ("Places365", 0.9), ("NINCO", 0.6))}},
+    }
+    m = metrics_of(result)
+    assert m == pytest.approx({
+        "id_top1": 90.0, "id_top1_k": 91.0, "id_top1_blt": 89.0, "ms_one": 2.0, "ms_k": 20.0, "ms_blt": 40.0,
+        "c_sev1": 80.0, "c_sev5": 40.0, "c_mean": 60.0, "cbar_sev1": 70.0, "cbar_sev5": 50.0, "cbar_mean": 60.0,
+        "c_top1_k": 63.0, "ms_k_pooled": 25.0, "ms_blt_pooled": 45.0, "sketch_top1": 30.0, "smece_mean": 0.1,
+        "smece_std": 0.02, "auroc_energy": 80.0, "auroc_energy_iSUN": 70.0, "auroc_energy_Textures": 80.0,
+        "auroc_energy_Places365": 90.0, "auroc_energy_NINCO": 60.0, "auroc_energy_vision_ood": 80.0})
+
+
+def test_dry_run_reads_the_pre_generated_sets_that_are_there(tmp_path):
+    """With the data layout of docs/reproduce.md present, the paper's files replace the on-the-fly corruptions and
+    every anomaly folder found is evaluated; with it absent, each replacement is printed as a note."""
+    root = tmp_path / "data"
+    for folder in ("imagenet-c", "imagenet-r", "ood/Textures", "ood/NINCO"):
+        (root / folder).mkdir(parents=True)
+    text = reproduce("tab1", "--scale", "imagenet", "--data", root, "--out", tmp_path / "out", "--dry-run").stdout
+    _, evaluate = dry_run_commands(text)[0]
+    values = dict(o.split("=", 1) for o in sets(evaluate))
+    assert values["eval.c_root"] == str(root / "imagenet-c") and values["eval.corruptions"] == "[]"
+    assert values["eval.imagenet_r"] == str(root / "imagenet-r") and "eval.datasets" not in values
+    assert "note: " + str(root / "imagenet-sketch") + " not found: ImageNet-Sketch left out" in text
+    text = reproduce("tab3", "--scale", "imagenet", "--data", root, "--out", tmp_path / "out", "--dry-run").stdout
+    _, evaluate = dry_run_commands(text)[0]
+    assert dict(o.split("=", 1) for o in sets(evaluate))["eval.ood_sets"] == \
+        f"[Textures={root / 'ood/Textures'}, NINCO={root / 'ood/NINCO'}]"
+    assert "no iSUN, Places365 folder" in text and "imagenet-c not found" not in text  # tab3 evaluates no corruption
