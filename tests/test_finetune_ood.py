@@ -246,3 +246,20 @@ def test_every_sft_table_setting_is_a_valid_finetune_ood_config_and_its_summary_
     assert values["energy/ood_textures_auroc"] == pytest.approx(100 * energy["auroc"])
     assert values["energy/average_fpr95"] == pytest.approx(50 * sum(s["energy"]["fpr95"] for s in summary["after"]["ood"]["sets"].values()))
     assert values["id_top1_change"] == pytest.approx(summary["after"]["id"]["top1"] - summary["before"]["id"]["top1"])
+
+
+def test_the_sft_papers_numbers_load_for_every_table_setting():
+    """reproduce/paper_numbers/002.yaml is read by the reproduce machinery's own loader; each of its experiments is a
+    table of benchmarks/sft_tables.py, every row has a number per column, and Table 5's sweep holds its step counts."""
+    from fastanchor.benchmarks.sft_tables import SFT_TABLES
+    from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
+    import yaml
+
+    experiments = yaml.safe_load((PAPER_NUMBERS / "002.yaml").read_text())["experiments"]
+    assert set(experiments) == set(SFT_TABLES)
+    for name, block in experiments.items():
+        for table in block["tables"]:
+            assert all(len(row["values"]) == len(table["columns"]) for row in table["rows"]), (name, table["source"])
+        assert paper_numbers(name, "002")["entries"]
+    steps = {e["value"]: e["number"] for e in paper_numbers("sft-tab5", "002")["entries"] if e["metric"] == "average_auroc"}
+    assert [steps[n] for n in (10, 50, 100, 200)] and steps[50] == max(steps.values())  # the paper's best: 50 steps
