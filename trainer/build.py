@@ -298,13 +298,18 @@ def ood_sets(config: Config) -> list[EvalSet]:
         root = Path(d.root) / d.ood_split
         if not root.is_dir():
             raise DataError(f"OOD split '{root}' does not exist: set data.ood_split='' to skip anomaly rejection")
-        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform))
+        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform,
+                               allow_empty_classes=d.allow_empty_classes))
+    if d.far_ood_split and (Path(d.root) / d.far_ood_split).is_dir():  # read where it exists (docs/embedded.md)
+        sets.append(folder_set(d.far_ood_split, Path(d.root) / d.far_ood_split, "data.far_ood_split", "ood", "ood", transform,
+                               allow_empty_classes=d.allow_empty_classes))
     for entry in e.ood_sets:
         name, path = parse_named_path(entry, "eval.ood_sets")
-        sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform))
+        sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform, allow_empty_classes=d.allow_empty_classes))
     names = [s.name for s in sets]
     if len(set(names)) != len(names):
-        raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}); choose another name")
+        raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}) or data.far_ood_split "
+                          f"({d.far_ood_split!r}); choose another name")
     return [limit(s, e.max_images, e.seed) for s in sets]
 
 

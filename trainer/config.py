@@ -43,6 +43,7 @@ class DataConfig:
     train_split: str = option("train", "training split folder under data.root")
     val_split: str = option("val", "validation split folder under data.root")
     ood_split: str = option("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
+    far_ood_split: str = option("ood_textures", "far-OOD split folder under data.root, also evaluated where it exists ('' to skip)")
     allow_empty_classes: bool = option(False, "keep a class folder without images as a class (false: refuse it, as torchvision does)")
     loader: str = option("torchvision", "data loader: torchvision DataLoader, FFCV (.beton files written from the tree) or NVIDIA DALI", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = option(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
