@@ -174,3 +174,30 @@ def test_training_through_a_pipe_writes_plain_lines(tiny_dataset, tmp_path):
         assert re.search(rf"^epoch {epoch}/2: 3/3 batch \[", result.stderr, re.M), result.stderr
         assert re.search(rf"^epoch {epoch}: loss [0-9.]+  val top-1 ", result.stdout, re.M), result.stdout
     assert "validate" not in output  # the transient validation bar leaves no line
+
+
+# --- an empty class folder ---------------------------------------------------------------------------
+
+def test_empty_class_folder_is_refused_where_it_would_be_a_class_and_kept_when_allowed(tiny_dataset, tmp_path):
+    import shutil
+
+    from fastanchor.errors import DataError
+    from fastanchor.trainer.build import split_index
+    from fastanchor.trainer.config import DataConfig
+
+    root = tmp_path / "data"
+    shutil.copytree(tiny_dataset, root)
+    (root / "train" / "zz_no_images").mkdir()
+    (root / "val" / sorted(p.name for p in (root / "val").iterdir())[0]).rename(tmp_path / "moved")  # val lacks a class
+    (root / "val" / "zz_no_images").mkdir()
+    with pytest.raises(DataError, match=f"class folder '{root / 'train' / 'zz_no_images'}' has no images"):
+        split_index(DataConfig(root=str(root)), "train")
+    allowed = split_index(DataConfig(root=str(root), allow_empty_classes=True), "train")
+    assert allowed.classes[-1] == "zz_no_images" and len(allowed.classes) == 5
+    assert all(label < 4 for _, label in allowed.samples)
+    val = split_index(DataConfig(root=str(root)), "val", allowed.classes)  # the training classes fix the list: no error
+    assert val.classes == allowed.classes and len({label for _, label in val.samples}) == 3
+
+    result = run_main("train", *tiny_overrides(root, tmp_path / "runs", **{"data.dataset": "folder", "train.max_steps": 1,
+                                                                          "data.allow_empty_classes": True}))
+    assert result.returncode == 0 and "stopped after train.max_steps = 1 steps" in result.stdout, result.stderr
