@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastanchor.benchmarks.common import apply_threads, resolve_device
 from fastanchor.benchmarks.fidelity_control import ControlSettings, train_control
@@ -43,11 +42,13 @@ from fastanchor.benchmarks.options import FidelityOptions, names_list
 from fastanchor.benchmarks.results import device_tag, environment, git_commit
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 from fastanchor.pipeline.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
 from fastanchor.trainer.build import ensure_dataset, load_for_inference, split_index
-from fastanchor.trainer.config import Config, load_config, set_value, validate
+from fastanchor.trainer.config import Config, set_value, with_overrides
+from fastanchor.trainer.flags import DEFAULT_RECIPE
 from fastanchor.trainer.safety.evaluate import CONVENTIONS, recalibrate_batchnorm
 from fastanchor.trainer.inference import predict
 from fastanchor.trainer.metrics import energy_score, fpr_at_tpr, auroc, smooth_ece, topk_correct
@@ -88,7 +89,7 @@ class Decoded:
 
 def decode(dataset, desc: str, progress: bool) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = [], []
-    for i in tqdm(range(len(dataset)), desc=desc, disable=not progress, leave=False, unit="img"):
+    for i in progress_bar(range(len(dataset)), desc=desc, enabled=progress, leave=False, unit="img"):
         image, label = dataset[i]
         images.append(image)
         labels.append(label)
@@ -117,7 +118,8 @@ def decode_data(config: Config, progress: bool) -> Decoded:
             dataset = DecodedImages(val_index, transform, Corruption(name, severity, e.seed, e.corruption_parameters))
             corrupted[f"{name}@{severity}"] = decode(dataset, f"corrupt {name}@{severity}", progress)[0]
     ood_root = Path(d.root) / d.ood_split if d.ood_split else None
-    ood_index = scan_image_folder(ood_root) if ood_root is not None and ood_root.is_dir() else None
+    ood_index = (scan_image_folder(ood_root, allow_empty_classes=d.allow_empty_classes)
+                 if ood_root is not None and ood_root.is_dir() else None)
     ood_images = decode(DecodedImages(ood_index, transform), "decode ood", progress)[0] if ood_index else None
     fingerprint = {"root": str(Path(d.root).resolve()), "train": len(train_index), "val": len(val_index),
                    "ood": len(ood_index) if ood_index else 0, "classes": len(train_index.classes),
@@ -139,7 +141,7 @@ def evaluate_arm(make_predict, data: Decoded, *, seed: int, batch_size: int, pos
     seeded with `seed`) per set, as `fastanchor evaluate` draws them."""
     sets = [("id", data.val_images), *data.corrupted.items()] + ([("ood", data.ood_images)] if data.ood_images is not None else [])
     logits, started, seen = {}, time.perf_counter(), 0
-    bar = tqdm(sets, desc=f"evaluate {desc}", disable=not progress, leave=False, unit="set")
+    bar = progress_bar(sets, desc=f"evaluate {desc}", enabled=progress, leave=False, unit="set")
     for name, images in bar:
         logits[name] = logits_over(make_predict(seed), images, batch_size)
         seen += len(images)
@@ -177,16 +179,14 @@ def config_knows(config: Config, dotted: str) -> bool:
 
 
 def trainer_config(base: Config, arm: str, seed: int, options: FidelityOptions) -> Config:
-    config = copy.deepcopy(base)
     alpha = TRAINER_ARMS[arm]
-    set_value(config, "anchor.enabled", alpha is not None)
+    values = {"anchor.enabled": alpha is not None}
     if alpha is not None and alpha != "recipe":
-        set_value(config, "anchor.alpha", alpha)
-    if config_knows(config, "anchor.masked_batchnorm"):
-        set_value(config, "anchor.masked_batchnorm", options.masked_batchnorm)
-    set_value(config, "train.seed", seed)
-    validate(config)
-    return config
+        values["anchor.alpha"] = alpha
+    if config_knows(base, "anchor.masked_batchnorm"):
+        values["anchor.masked_batchnorm"] = options.masked_batchnorm
+    values["train.seed"] = seed
+    return with_overrides(copy.deepcopy(base), values=values)
 
 
 UNSUPPORTED_BY_CONTROL = {  # setting: the value the control implements
@@ -533,7 +533,7 @@ def write_json(path: Path, value: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 def base_config(options: FidelityOptions) -> Config:
-    config = load_config(options.config, options.set)
+    config = options.load()
     extra = {}
     if options.data:
         root = Path(options.data)
@@ -550,10 +550,14 @@ def base_config(options: FidelityOptions) -> Config:
         extra["train.device"] = options.device
     if options.threads:
         extra["train.threads"] = options.threads
-    for key, value in extra.items():
-        set_value(config, key, value)
-    validate(config)
-    return config
+    return with_overrides(config, values=extra)
+
+
+def recorded_options(options: FidelityOptions) -> dict:
+    """The options as result files record them: the recipe by name and the overrides under "set"."""
+    recorded = {**dataclasses.asdict(options), "config": options.config or DEFAULT_RECIPE}
+    recorded["set"] = recorded.pop("overrides")
+    return recorded
 
 
 def run_fidelity_benchmark(options: FidelityOptions, command: str) -> dict:
@@ -614,7 +618,7 @@ def run_fidelity_benchmark(options: FidelityOptions, command: str) -> dict:
     result = {
         "schema": SCHEMA, "benchmark": "fidelity", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command, "git_commit": git_commit(), "environment": env,
-        "config": {**dataclasses.asdict(options), "recipe": config.to_dict()},
+        "config": {**recorded_options(options), "recipe": config.to_dict()},
         "data": data.fingerprint, "epochs": config.train.epochs, "arms": arms, "seeds": list(range(options.seeds)),
         "masked_batchnorm": options.masked_batchnorm if masked_bn_known else "not a config key (trainer as it is)",
         "highest_severity": first.get("highest_severity"), "spread": SPREAD,

@@ -16,7 +16,8 @@ import timm
 import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
-from tqdm import tqdm
+
+from fastanchor.progress import progress_bar
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -113,7 +114,7 @@ def train_control(images: torch.Tensor, labels: torch.Tensor, s: ControlSettings
     for epoch in range(s.epochs):
         model.train()
         order, started = torch.randperm(len(images), generator=g), time.perf_counter()
-        bar = tqdm(range(steps), desc=f"control epoch {epoch + 1}/{s.epochs}", disable=not progress, leave=False)
+        bar = progress_bar(range(steps), desc=f"control epoch {epoch + 1}/{s.epochs}", enabled=progress, leave=False)
         for k in bar:
             for group in optimizer.param_groups:
                 group["lr"] = s.lr * lr_factor(epoch + k / steps, s)

@@ -18,10 +18,10 @@ from typing import Callable, Iterable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from tqdm import tqdm
 
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def run_interleaved(cases: list[Case], *, repetitions: int, warmup_rounds: int, 
     recorded: dict[str, list[Measurement]] = {case.name: [] for case in runnable}
     schedule: list[str] = []
     total = (warmup_rounds + repetitions) * len(runnable)
-    with tqdm(total=total, desc=desc, unit="run", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, desc=desc, unit="run", enabled=progress) as bar:
         for round_index in range(warmup_rounds + repetitions):
             warm = round_index < warmup_rounds
             for case in runnable:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import option
+from fastanchor.trainer.flags import OnDevice, Recipe
 
 LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg")  # the built-in entries of benchmarks.loaders.LOADERS
 OP_PATHS = ("torch", "triton", "numba")
@@ -37,8 +38,7 @@ def by_device(value, cpu, gpu, cuda: bool):
 
 
 @dataclass
-class CommonOptions:
-    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+class CommonOptions(OnDevice):
     repetitions: int = option(5, "recorded repetitions of every case (rounds, interleaved A B A B ...)")
     warmup_rounds: int = option(1, "rounds run first and not recorded (compilation, caches, worker start-up)")
     seed: int = option(0, "seed of data order, crops, weights, references and masking")
@@ -100,6 +100,12 @@ class DataOptions:
     def validate(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"--workers = {self.workers!r}: expected 0 (one per core) or a positive count")
+
+
+@dataclass
+class ReadmeOptions:
+    results: str = option("benchmarks/results", "directory of the result files")
+    readme: str = option("README.md", "the README to rewrite, with the docs/*.md beside it")
 
 
 @dataclass
@@ -208,10 +214,10 @@ ARM_NAMES = ("standard", "vanilla", "masking", "control-standard", "control-vani
 
 
 @dataclass
-class FidelityOptions:
-    """Standard, vanilla-anchored and masked training through the trainer and through a plain-torch control."""
+class FidelityOptions(Recipe, OnDevice):
+    """Standard, vanilla-anchored and masked training through the trainer and through a plain-torch control.
+--config and --set apply to every arm; the control follows the settings it has."""
 
-    config: str = option("demo", "recipe (a name under configs/ or a YAML file): data, model, augmentation and schedule of every arm")
     data: str = option("", "ImageFolder root with train/, val/ and optionally ood/ ('': the recipe's data)")
     arms: str = option(",".join(ARM_NAMES), "comma-separated arms: " + ", ".join(ARM_NAMES))
     seeds: int = option(3, "seeds per arm (0 to N-1)")
@@ -219,9 +225,7 @@ class FidelityOptions:
     severities: str = option("", "comma-separated corruption severities 1-5 (default: the recipe's eval.severities)")
     masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms (update: the paper's plain BatchNorm, "
                                              "as the control)", choices=("update", "skip"))
-    set: list = option([], "KEY=VALUE recipe override for every arm, repeatable (the control follows those it has a setting for)")
     keep_checkpoints: bool = option(False, "keep the trainer arms' checkpoints (default: deleted once evaluated)")
-    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
     out: str = option("benchmarks/results/fidelity", "directory of the result files (<out>[/<tag>]/fidelity-<device>.{json,md,png} and runs/)")
     tag: str = option("", "sub-directory of --out for this configuration")

@@ -43,7 +43,7 @@ def sweep_rows(folder: Path) -> list[str]:
     for path in sorted(folder.glob("*/*/summary.json")):
         summary = json.loads(path.read_text())
         before, after = summary["before"], summary["after"]
-        (ood_set, _), = before["ood"]["sets"].items()
+        ood_set = next(iter(before["ood"]["sets"]))  # data.ood_split, the set this sweep was recorded against
 
         def score(name, metric):
             b, a = before["ood"]["sets"][ood_set][name][metric], after["ood"]["sets"][ood_set][name][metric]

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
 from fastanchor.pipeline.references import ReferenceBank
 from fastanchor.trainer.build import ensure_beton, ensure_dataset, split_index, train_loader
@@ -117,7 +117,7 @@ def soak(loader_name: str, args: argparse.Namespace) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     samples = [{"step": 0, "epoch": 0, "seconds": 0.0, **memory_sample()}]
     step, epoch, started = 0, 0, time.perf_counter()
-    bar = tqdm(total=args.steps, desc=f"soak {loader_name}", unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=args.steps, desc=f"soak {loader_name}", unit="step")
     while step < args.steps:
         loader.set_epoch(epoch)
         for batch in stage:

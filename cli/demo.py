@@ -12,7 +12,7 @@ from pathlib import Path
 from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
-from fastanchor.trainer.safety.finetune_ood import finetune_ood, summary_rows
+from fastanchor.trainer.safety.finetune_ood import finetune_ood, sft_regime, summary_rows
 from fastanchor.trainer.train import train
 from fastanchor.trainer.run_folder import RunFolder
 
@@ -30,9 +30,14 @@ def comparison_rows(results: dict[str, dict]) -> list[tuple[str, list[str]]]:
                          [f"{r['severity_mean_top1'][benchmark][severity]:.2f}" for r in runs]))
     if "ood" in runs[0]:
         scores = dict.fromkeys(score for r in runs for score in r["ood"]["auroc"])
+        sets = runs[0]["ood"]["sets"]  # several (shapes, textures): each set's row, then the mean evaluate reports
         for score in scores:
-            rows.append((f"OOD AUROC, {score}", [f"{r['ood']['auroc'][score]:.4f}" if score in r["ood"]["auroc"] else "-"
-                                                 for r in runs]))
+            for name in sets if len(sets) > 1 else ():
+                rows.append((f"OOD AUROC, {score} on {name}", [f"{r['ood']['sets'][name][score]['auroc']:.4f}"
+                                                              if score in r["ood"]["sets"][name] else "-" for r in runs]))
+            mean = f", mean over the {len(sets)} OOD sets" if len(sets) > 1 else ""
+            rows.append((f"OOD AUROC, {score}{mean}", [f"{r['ood']['auroc'][score]:.4f}" if score in r["ood"]["auroc"] else "-"
+                                                       for r in runs]))
     return rows
 
 
@@ -72,14 +77,15 @@ def run_demo(config: Config, out_dir: Path) -> Path:
         sft[kind] = finetune_ood(RunFolder(run_dir).final, device=run_config.train.device, progress=run_config.train.progress)
     table = markdown_table(results)
     note = results["anchored"].get("ood", {}).get("convention", "")
+    regime = sft_regime(sft["standard"]["finetune_ood"]["norm_layers"])  # measured on the model fine-tuned
     summary = (f"# fastanchor demo\n\n{table}\n\nAccuracy of anchored models uses one random reference per test sample; "
                f"the std score uses K = {config.eval.num_references} references. {note}.\n\n"
                f"## OOD fine-tuning (SFT), before and after\n\n{sft_table(sft)}\n\n"
-               f"Each model fine-tuned for {config.finetune_ood.steps} steps (<run>/finetune_ood/); OOD set "
-               f"'{config.data.ood_split}', FPR95 at 95% of ID kept.\n")
+               f"Each model fine-tuned for {config.finetune_ood.steps} steps (<run>/finetune_ood/); OOD sets "
+               f"{', '.join(sft['standard']['after']['ood']['over'])}, FPR95 at 95% of ID kept. {regime}\n")
     atomic_write_bytes(demo_dir / "summary.md", lambda h: h.write(summary.encode()))
     atomic_write_bytes(demo_dir / "summary.json", lambda h: h.write(json.dumps(results, indent=2).encode()))
-    print("\n" + table + "\n\nOOD fine-tuning (SFT), before and after:\n" + sft_table(sft) + "\n")
+    print("\n" + table + "\n\nOOD fine-tuning (SFT), before and after:\n" + sft_table(sft) + "\n" + regime + "\n")
     print(f"runs, metrics (metrics.jsonl, eval.json) and checkpoints (checkpoints/, final.pt) are in {demo_dir}/standard "
           f"and {demo_dir}/anchored; the comparison is in {demo_dir}/summary.md")
     return demo_dir

@@ -273,13 +273,13 @@ def _refusal(root: Path, cifar_dir: Path, wanted: dict) -> DataError:
 
 def _write_split(directory: Path, split: str, part: CifarSplit, folders: tuple[str, ...], progress: bool) -> dict:
     """Write one split as PNGs and check the files on disk against the labels; return its counts."""
-    from tqdm.auto import tqdm
+    from fastanchor.progress import progress_bar
 
     histogram = Counter(part.labels.tolist())
     for label in histogram:
         (directory / folders[label]).mkdir(parents=True)
     width = max(5, len(str(len(part.labels) - 1)))
-    for i in tqdm(range(len(part.labels)), desc=f"CIFAR {split} -> PNG", unit="img", disable=not progress):
+    for i in progress_bar(range(len(part.labels)), desc=f"CIFAR {split} -> PNG", unit="img", enabled=progress):
         Image.fromarray(part.images[i]).save(directory / folders[part.labels[i]] / f"{split}_{i:0{width}d}.png",
                                              compress_level=1)
     on_disk = {label: len(os.listdir(directory / folders[label])) for label in histogram}

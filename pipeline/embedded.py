@@ -6,6 +6,7 @@ ImageFolder trees:
     root/train/<class>/<class>_<index:05d>.jpg   num_classes x train_per_class
     root/val/<class>/<class>_<index:05d>.jpg     num_classes x val_per_class
     root/ood/<class>/<class>_<index:05d>.jpg     len(OOD_CLASSES) x ood_per_class (shapes never trained on)
+    root/ood_textures/<class>/<class>_<index:05d>.jpg   len(TEXTURE_CLASSES) x ood_per_class (far-OOD textures)
     root/manifest.json                           the spec, the counts, a sha256 over all images
 
 The class is carried by shape and structure only. Everything else is sampled from one
@@ -35,6 +36,7 @@ import math
 import os
 import shutil
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
@@ -52,10 +54,17 @@ IN_DISTRIBUTION_CLASSES: tuple[str, ...] = (
 # more confidently than its own classes (energy AUROC 0.3-0.5), see docs/embedded.md.
 OOD_CLASSES: tuple[str, ...] = ("heart", "lightning", "wave", "blob")
 
-SPLITS: tuple[str, ...] = ("train", "val", "ood")
+# Far-OOD textures (the SFT paper's Textures analogue): whole-image patterns, no single shape. A
+# standard model scores these more confidently than its own classes; that is what they measure.
+TEXTURE_CLASSES: tuple[str, ...] = ("checkerboard", "stripes", "dots", "noise")
+TEXTURE_SPLIT = "ood_textures"
+
+SPLITS: tuple[str, ...] = ("train", "val", "ood", TEXTURE_SPLIT)
 MANIFEST_NAME = "manifest.json"
 # Bump when a change to the drawing code changes the bytes; a dataset written by another
-# version is refused instead of being silently reused.
+# version is refused instead of being silently reused. The texture split came later within
+# version 3 (the bytes of the other splits did not change): a version-3 dataset without it
+# gets it added in place (`_add_missing_splits`).
 GENERATOR_VERSION = 3
 
 SUPERSAMPLE = 4
@@ -64,7 +73,7 @@ MARGIN_FRACTION = 0.03  # the shape stays this far (fraction of the side) from t
 MIN_LUMINANCE_GAP = 0.25  # foreground vs both gradient end colours, luminance in [0, 1]
 NOISE_STD = (1.0, 4.0)  # per-image Gaussian noise std, in 0-255 units
 
-_SPLIT_CODES = {"train": 0, "val": 1, "ood": 2}
+_SPLIT_CODES = {"train": 0, "val": 1, "ood": 2, TEXTURE_SPLIT: 3}
 _CIRCLE_POINTS = 96
 
 
@@ -103,12 +112,15 @@ class EmbeddedSpec:
         """Class names of a split, in generation order (ImageFolder sorts them alphabetically)."""
         if split == "ood":
             return OOD_CLASSES
+        if split == TEXTURE_SPLIT:
+            return TEXTURE_CLASSES
         if split in ("train", "val"):
             return IN_DISTRIBUTION_CLASSES[: self.num_classes]
         raise ValueError(f"split = {split!r}: expected one of {', '.join(SPLITS)}.")
 
     def per_class(self, split: str) -> int:
-        return {"train": self.train_per_class, "val": self.val_per_class, "ood": self.ood_per_class}[split]
+        return {"train": self.train_per_class, "val": self.val_per_class, "ood": self.ood_per_class,
+                TEXTURE_SPLIT: self.ood_per_class}[split]
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,6 +312,59 @@ def _image_rng(seed: int, split: str, class_index: int, index: int) -> np.random
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, _SPLIT_CODES[split], class_index, index])))
 
 
+# --------------------------------------------------------------------------------------------
+# Textures. Each returns a mask [n * SUPERSAMPLE]^2 in [0, 1] (1: the pattern's colour) covering the
+# whole image; the scale of the pattern is drawn relative to the image side.
+# --------------------------------------------------------------------------------------------
+
+def _texture_coords(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Supersampled pixel coordinates in units of the image side, rotated by a random angle about a random origin."""
+    big = n * SUPERSAMPLE
+    axis = (np.arange(big, dtype=np.float64) + 0.5) / big
+    angle = rng.uniform(0.0, math.pi)
+    c, s = math.cos(angle), math.sin(angle)
+    x, y = axis[None, :] - rng.uniform(0, 1), axis[:, None] - rng.uniform(0, 1)
+    return x * c - y * s, x * s + y * c
+
+
+def _checkerboard(n, rng):
+    u, v = _texture_coords(n, rng)
+    period = 1.0 / rng.uniform(2.5, 6.0)  # 2.5 to 6 cell pairs across the image
+    return ((np.floor(u / period * 2) + np.floor(v / period * 2)) % 2).astype(np.float32)
+
+
+def _stripes(n, rng):
+    u, _ = _texture_coords(n, rng)
+    period, duty = 1.0 / rng.uniform(3.0, 8.0), rng.uniform(0.35, 0.65)
+    return ((u / period) % 1.0 < duty).astype(np.float32)
+
+
+def _dots(n, rng):
+    u, v = _texture_coords(n, rng)
+    period = 1.0 / rng.uniform(3.0, 7.0)
+    radius = period * rng.uniform(0.2, 0.35)
+    du, dv = (u / period) % 1.0 - 0.5, (v / period) % 1.0 - 0.5
+    return (np.sqrt(du * du + dv * dv) * period < radius).astype(np.float32)
+
+
+def _noise(n, rng):
+    cells = int(rng.integers(4, 9))  # blobs of noise: a coarse random grid, smoothly upsampled, thresholded at its median
+    coarse = rng.uniform(0.0, 255.0, size=(cells, cells)).astype(np.float32)
+    smooth = np.asarray(Image.fromarray(coarse, mode="F").resize((n * SUPERSAMPLE,) * 2, Image.Resampling.BICUBIC))
+    return (smooth > np.median(coarse)).astype(np.float32)
+
+
+_TEXTURES = {"checkerboard": _checkerboard, "stripes": _stripes, "dots": _dots, "noise": _noise}
+assert set(_TEXTURES) == set(TEXTURE_CLASSES)
+
+
+def _texture_mask(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """The texture's antialiased mask [n, n, 1] in [0, 1] (drawn at SUPERSAMPLE x, downsampled as the shapes are)."""
+    big = Image.fromarray(np.rint(_TEXTURES[name](n, rng) * 255).astype(np.uint8), mode="L")
+    mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float32)[..., None]
+    return mask * np.float32(1 / 255)
+
+
 def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -> np.ndarray:
     """One image of the dataset as a uint8 array [H, W, 3], independent of all the others."""
     classes = spec.classes(split)
@@ -309,7 +374,16 @@ def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -
     n = spec.image_size
 
     fg, bg0, bg1 = _sample_colours(rng)
-    polys, holes = _unit_shape(classes[class_index], rng)
+    if split == TEXTURE_SPLIT:
+        mask = _texture_mask(classes[class_index], n, rng)
+    else:
+        mask = _shape_mask(classes[class_index], n, rng)
+    return _compose(mask, fg, bg0, bg1, n, rng)
+
+
+def _shape_mask(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """The shape's antialiased mask [n, n, 1] in [0, 1], at a random size, rotation and position."""
+    polys, holes = _unit_shape(name, rng)
     margin = MARGIN_FRACTION * n
     scale = n * rng.uniform(*EXTENT_FRACTION)  # radius of the shape's disc, in pixels
     angle = rng.uniform(0.0, 2 * math.pi)
@@ -326,7 +400,11 @@ def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -
             draw.polygon([tuple(v) for v in ((p + offset) * SUPERSAMPLE).tolist()], fill=fill)
     mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float32)[..., None]
     mask *= np.float32(1 / 255)
+    return mask
 
+
+def _compose(mask: np.ndarray, fg, bg0, bg1, n: int, rng: np.random.Generator) -> np.ndarray:
+    """The foreground colour where `mask` is 1 over the two-colour background gradient, plus mild noise."""
     # Background: linear gradient from bg0 to bg1 along a random direction, across the image.
     theta = rng.uniform(0.0, 2 * math.pi)
     c, s = math.cos(theta), math.sin(theta)
@@ -423,6 +501,11 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
     if root.exists() or root.is_symlink():
         manifest = _read_manifest(root) if root.is_dir() else None
         if _matches(manifest, spec):
+            try:
+                _add_missing_splits(root, spec, manifest, progress, workers)
+            except OSError as error:  # e.g. a read-only dataset: usable as it is, without the new split
+                warnings.warn(f"{root}: could not add the splits this version adds ({error}); the dataset is used "
+                              f"as it is, and evaluation reads a split only where it exists", stacklevel=2)
             return root
         if not root.is_dir() or any(root.iterdir()):
             raise _refuse(root, manifest, spec)
@@ -458,6 +541,37 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
     return root
 
 
+def _add_missing_splits(root: Path, spec: EmbeddedSpec, manifest: dict, progress: bool, workers: int | None) -> None:
+    """Add to a matching dataset the splits its manifest does not list (a version-3 dataset written before the
+    texture split existed): each is written into a temporary folder inside root and renamed into place, then the
+    manifest is rewritten (atomically) with the new counts and the sha256 over every image. The other splits'
+    files are not touched."""
+    missing = [split for split in SPLITS if split not in manifest.get("counts", {})]
+    if not missing:
+        return
+    for split in missing:
+        jobs = [(split, c, i) for c in range(len(spec.classes(split))) for i in range(spec.per_class(split))]
+        tmp = root / f".{split}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            for name in spec.classes(split):
+                (tmp / split / name).mkdir(parents=True)
+            _write_images(tmp, spec, jobs, progress, workers, desc=f"embedded dataset: {split} -> {root}")
+            try:
+                os.rename(tmp / split, root / split)
+            except OSError:  # a concurrent run added it first: the same bytes, keep theirs
+                if not (root / split).is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    updated = {**manifest,
+               "classes": {split: list(spec.classes(split)) for split in SPLITS},
+               "counts": {split: len(spec.classes(split)) * spec.per_class(split) for split in SPLITS},
+               "sha256": dataset_sha256(root)}
+    staged = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staged.write_text(json.dumps(updated, indent=2) + "\n")
+    os.replace(staged, root / MANIFEST_NAME)
+
+
 def _write_image(tmp: Path, spec: EmbeddedSpec, job: tuple[str, int, int]) -> tuple[str, str]:
     data = _encode_jpeg(render_image(spec, *job), spec.jpeg_quality)
     rel = image_relpath(spec, *job)
@@ -469,12 +583,12 @@ def _write_images(tmp: Path, spec: EmbeddedSpec, jobs: list[tuple[str, int, int]
                   workers: int | None, desc: str) -> dict[str, str]:
     """Render, encode and write every job; return {relpath: sha256}. Threads suffice: Pillow's
     resize and JPEG encoder and numpy release the GIL, and they hide the file-system latency."""
-    from tqdm.auto import tqdm
+    from fastanchor.progress import progress_bar
 
     if workers is None:
         workers = 1 if spec.image_size < 96 else min(8, os.cpu_count() or 1)
     digests: dict[str, str] = {}
-    with tqdm(total=len(jobs), unit="img", desc=desc, disable=not progress) as bar:
+    with progress_bar(total=len(jobs), unit="img", desc=desc, enabled=progress) as bar:
         if workers <= 1:
             for job in jobs:
                 rel, digest = _write_image(tmp, spec, job)

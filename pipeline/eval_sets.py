@@ -180,10 +180,10 @@ def corruption_tree_sets(root: Path, key: str, benchmark: str, severities, class
 
 
 def folder_set(name: str, root: Path, key: str, kind: str, benchmark: str, transform, classes=None,
-               class_subset=None) -> EvalSet:
+               class_subset=None, allow_empty_classes: bool = False) -> EvalSet:
     if not root.is_dir():
         raise DataError(f"{key}: '{root}' does not exist: expected an ImageFolder tree <class>/<image>")
-    index = scan_image_folder(root, classes)
+    index = scan_image_folder(root, classes, allow_empty_classes)
     return EvalSet(name, kind, benchmark, str(root), DecodedImages(index, transform), class_subset=class_subset)
 
 

@@ -226,7 +226,7 @@ def _writer_class():
             self.target = target
 
         def _write_common(self, num_samples, queue_content, work_fn, extra_worker_args):
-            from tqdm import tqdm
+            from fastanchor.progress import progress_bar
 
             self.num_samples = num_samples
             self.prepare()
@@ -246,8 +246,8 @@ def _writer_class():
                 for process in processes:
                     process.start()
                 allocation_list, finished, shown = [], 0, 0
-                with tqdm(total=num_samples, desc=f"writing {self.target}", unit="img",
-                          disable=not self.progress) as bar:
+                with progress_bar(total=num_samples, desc=f"writing {self.target}", unit="img",
+                                  enabled=self.progress) as bar:
                     while finished < len(processes):
                         self._raise_reported(errors)
                         try:

@@ -26,11 +26,14 @@ class ImageFolderIndex:
         return len(self.samples)
 
 
-def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None) -> ImageFolderIndex:
+def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None,
+                      allow_empty_classes: bool = False) -> ImageFolderIndex:
     """Index every image of `root`; refuse missing/empty trees and non-image files.
 
     `classes` fixes the class list (e.g. the training split's), so that a validation split
-    missing a class still maps names to the training indices.
+    missing a class still maps names to the training indices. Without it the class folders are
+    the classes, and one without images is refused (as torchvision's ImageFolder does: a model would
+    get an output for a class it never sees) unless `allow_empty_classes`.
     """
     root = Path(root)
     if not root.is_dir():
@@ -38,6 +41,7 @@ def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None) 
     found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not found:
         raise DataError(f"data directory '{root}' has no class folders: expected an ImageFolder tree <class>/<image>")
+    defines_classes = classes is None
     classes = tuple(classes) if classes is not None else tuple(found)
     unknown = [c for c in found if c not in classes]
     if unknown:
@@ -51,7 +55,18 @@ def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None) 
             samples.append((str(check_image_file(path)), index))
     if not samples:
         raise DataError(f"data directory '{root}' has class folders but no images")
+    if defines_classes and not allow_empty_classes:
+        check_no_empty_classes(root, classes, {label for _, label in samples})
     return ImageFolderIndex(root, classes, tuple(samples))
+
+
+def check_no_empty_classes(root: Path, classes: tuple[str, ...], labels: set[int]) -> None:
+    """Raise DataError naming the first class folder of `root` that contributes no image."""
+    empty = [name for label, name in enumerate(classes) if label not in labels]
+    if empty:
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise DataError(f"class folder '{root / empty[0]}' has no images{more}: expected images in every class folder "
+                        f"(data.allow_empty_classes=true keeps it as a class without training images)")
 
 
 def class_files(folder: Path) -> list[Path]:

@@ -197,7 +197,7 @@ def generate_imagenet_shaped(root: str | Path, spec: ImageNetShapedSpec, *, prog
     A root that holds anything else is refused (DataError), never deleted. `workers` threads render
     and encode (default: one per CPU core, at most 8); the bytes do not depend on their number.
     """
-    from tqdm.auto import tqdm
+    from fastanchor.progress import progress_bar
 
     spec.validate()
     root = Path(root)
@@ -228,7 +228,7 @@ def generate_imagenet_shaped(root: str | Path, spec: ImageNetShapedSpec, *, prog
         facts = []
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="imagenet-shaped")
         try:
-            with tqdm(total=len(jobs), unit="img", desc=f"ImageNet-shaped -> {root}", disable=not progress) as bar:
+            with progress_bar(total=len(jobs), unit="img", desc=f"ImageNet-shaped -> {root}", enabled=progress) as bar:
                 for fact in pool.map(write, jobs):
                     facts.append(fact)
                     bar.update(1)

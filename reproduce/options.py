@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import option
+from fastanchor.trainer.flags import OnDevice
 
 SCALES = ("tiny", "small", "cifar", "imagenet")
 
 
 @dataclass
-class ReproduceFlags:
+class ReproduceFlags(OnDevice):
     """The flags of `fastanchor reproduce` (ReproduceOptions adds the positional EXPERIMENT)."""
 
     scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU)", choices=SCALES)
@@ -20,7 +21,6 @@ class ReproduceFlags:
     seeds: int = option(0, "seeds per configuration (0: the experiment's default)")
     dry_run: bool = option(False, "print every run's train and evaluate command lines; run nothing")
     tiny: bool = option(False, "the same as --scale tiny: a few steps on a tiny dataset, for CI")
-    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     max_runs: int = option(0, "stop after training this many runs (0: all); a later call goes on from there")
     aggregate_only: bool = option(False, "only aggregate the runs already finished into the result files")
     record: str = option("", "also write result.json, result.png and a generated README.md into <record>/<experiment>/")
@@ -29,7 +29,17 @@ class ReproduceFlags:
 
 @dataclass
 class ReproduceOptions(ReproduceFlags):
-    experiment: str = option("", "the experiment to run (listed by `fastanchor reproduce --help`)", positional=True)
+    """Each experiment trains and evaluates its runs into <out>/<experiment>/<run>/ and writes result.json,
+result.md and result.png beside them."""
+
+    experiment: str = option("", "the experiment to run (one of those listed below)", positional=True, metavar="EXPERIMENT")
+
+    @staticmethod
+    def help_epilog() -> str:
+        """The experiments, one line each, after the flags in `fastanchor reproduce --help`."""
+        from fastanchor.reproduce.experiments import experiment_lines
+
+        return experiment_lines()
 
     @property
     def effective_scale(self) -> str:

@@ -81,10 +81,10 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     return result
 
 
-def run_reproduce(options: ReproduceOptions, argv: list[str]) -> int:
-    """`fastanchor reproduce EXPERIMENT ...`: plan, then print (--dry-run), run, or only aggregate."""
+def run_reproduce(options: ReproduceOptions, command: str) -> int:
+    """`fastanchor reproduce EXPERIMENT ...` (`command`: the command line as typed): plan, then print (--dry-run),
+    run, or only aggregate."""
     options.validate()
-    command = "fastanchor " + shlex.join(argv)
     experiment = EXPERIMENTS[options.experiment]
     scale = options.effective_scale
     runs, notes = plan(experiment, scale, options.data, options.out, options.seeds, options.device, options.progress)

@@ -86,6 +86,7 @@ def workspace(tiny_dataset, tmp_path_factory):
     copy_dataset(tiny_dataset, w / "text", lambda d: (first_class(d) / "notes.txt").write_bytes(b"not an image"))
     copy_dataset(tiny_dataset, w / "gif", lambda d: (first_class(d) / "broken.jpg").write_bytes(b"GIF89a not a jpeg"))
     copy_dataset(tiny_dataset, w / "zero", lambda d: (first_class(d) / "empty.jpg").write_bytes(b""))
+    copy_dataset(tiny_dataset, w / "hollow", lambda d: (d / "train" / "zz_no_images").mkdir())
     victim = sorted((copy_dataset(tiny_dataset, w / "truncated") / "val").rglob("*.jpg"))[0]
     victim.write_bytes(victim.read_bytes()[:40])  # a valid JPEG header, then nothing
 
@@ -146,6 +147,12 @@ CASES = {
     "empty data directory": Case(lambda w, d: train(w, d, **folder(w / "empty")), "data directory '{w}/empty/train' has no class folders"),
     "existing run directory": Case(lambda w, d: train(w, d, **{"train.run_name": "earlier"}), "run directory '{w}/runs/earlier' already exists and is not empty"),
     "run directory is a file": Case(lambda w, d: train(w, d, **{"train.run_name": "afile"}), "run directory '{w}/runs/afile' exists and is not a directory"),
+    "out_dir is a file": Case(lambda w, d: train(w, d, **{"train.out_dir": w / "runs" / "afile"}),
+                              "train.out_dir = '{w}/runs/afile': '{w}/runs/afile' is a file, expected a directory"),
+    "demo: --out-dir is a file": Case(lambda w, d: ["demo", "--out-dir", w / "runs" / "afile", *tiny_overrides(d, w / "runs")],
+                                      "'{w}/runs/afile' is a file, expected a directory"),
+    "empty class folder": Case(lambda w, d: train(w, d, **folder(w / "hollow")),
+                               "class folder '{w}/hollow/train/zz_no_images' has no images: expected images in every class folder"),
     "unknown recipe": Case(lambda w, d: ["train", "--config", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
     "missing recipe file": Case(lambda w, d: ["train", "--config", w / "nope.yaml"], "recipe file '{w}/nope.yaml' does not exist"),
     "recipe not YAML": Case(lambda w, d: ["train", "--config", w / "files" / "bad.yaml"], "recipe '{w}/files/bad.yaml' is not valid YAML"),
@@ -184,6 +191,8 @@ CASES = {
     "evaluate without --checkpoint": Case(lambda w, d: ["evaluate"], "the following arguments are required: --checkpoint (see fastanchor evaluate --help)"),
     "unknown flag": Case(lambda w, d: ["train", "--sett", "train.epochs=1"], "unrecognized arguments: --sett train.epochs=1"),
     "--resume without a value": Case(lambda w, d: ["train", "--resume"], "argument --resume: expected one argument"),
+    "robustness: unknown transform": Case(lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--transform", "cubic"],
+                                          "accuracy transform 'cubic': expected one of logit, probit"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from fastanchor.pipeline import embedded
 from fastanchor.pipeline.embedded import (
     IN_DISTRIBUTION_CLASSES,
     OOD_CLASSES,
+    TEXTURE_CLASSES,
+    TEXTURE_SPLIT,
     EmbeddedSpec,
     dataset_sha256,
     generate_embedded_dataset,
@@ -174,7 +177,7 @@ def test_same_seed_same_bytes_different_seed_different_bytes(tmp_path):
 
 def test_single_image_regenerates_alone(tmp_path):
     root = generate_embedded_dataset(tmp_path / "d", TINY, progress=False)
-    for split, class_index, index in [("train", 2, 3), ("val", 0, 1), ("ood", 1, 0)]:
+    for split, class_index, index in [("train", 2, 3), ("val", 0, 1), ("ood", 1, 0), (TEXTURE_SPLIT, 3, 1)]:
         rel = embedded.image_relpath(TINY, split, class_index, index)
         data = embedded._encode_jpeg(embedded.render_image(TINY, split, class_index, index), TINY.jpeg_quality)
         assert (root / rel).read_bytes() == data
@@ -188,8 +191,8 @@ def test_layout_counts_and_decoding(tmp_path):
                         jpeg_quality=75)
     root = generate_embedded_dataset(tmp_path / "layout", spec, progress=False)
     ids = IN_DISTRIBUTION_CLASSES[:4]
-    expected = {"train": (ids, 3), "val": (ids, 2), "ood": (OOD_CLASSES, 2)}
-    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "ood", "train", "val"]
+    expected = {"train": (ids, 3), "val": (ids, 2), "ood": (OOD_CLASSES, 2), TEXTURE_SPLIT: (TEXTURE_CLASSES, 2)}
+    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "ood", "ood_textures", "train", "val"]
     for split, (classes, per_class) in expected.items():
         assert sorted(p.name for p in (root / split).iterdir()) == sorted(classes)
         for name in classes:
@@ -201,9 +204,43 @@ def test_layout_counts_and_decoding(tmp_path):
                     im.load()
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["spec"] == asdict(spec)
-    assert manifest["counts"] == {"train": 12, "val": 8, "ood": 2 * len(OOD_CLASSES)}
-    assert manifest["classes"]["ood"] == list(OOD_CLASSES)
+    assert manifest["counts"] == {"train": 12, "val": 8, "ood": 2 * len(OOD_CLASSES), TEXTURE_SPLIT: 2 * len(TEXTURE_CLASSES)}
+    assert manifest["classes"]["ood"] == list(OOD_CLASSES) and manifest["classes"][TEXTURE_SPLIT] == list(TEXTURE_CLASSES)
     assert leftover_temp_dirs(tmp_path, "layout") == []
+
+
+def test_a_dataset_written_before_the_texture_split_gets_it_added_and_keeps_its_files(tmp_path):
+    """A version-3 dataset whose manifest lists no texture split (written before it existed) gains the split in
+    place; its other files are not rewritten, and the result is what a fresh run writes."""
+    fresh = generate_embedded_dataset(tmp_path / "fresh", TINY, progress=False)
+    old = tmp_path / "old"
+    shutil.copytree(fresh, old)
+    shutil.rmtree(old / TEXTURE_SPLIT)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for key in ("classes", "counts"):
+        del manifest[key][TEXTURE_SPLIT]
+    manifest["sha256"] = dataset_sha256(old)
+    (old / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    kept = {p: p.stat().st_mtime_ns for p in old.rglob("*.jpg")}
+
+    assert generate_embedded_dataset(old, TINY, progress=False) == old
+    assert file_digests(old) == file_digests(fresh)
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in kept.items())
+    assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in fresh.iterdir())  # no temporary left
+
+
+def test_textures_fill_the_image():
+    """Every periodic texture covers the whole image (both colours in each quarter), unlike a single shape."""
+    spec = EmbeddedSpec()
+    for class_index in range(len(TEXTURE_CLASSES)):
+        for index in range(6):
+            image = embedded.render_image(spec, TEXTURE_SPLIT, class_index, index).astype(float).mean(-1)
+            threshold = (image.max() + image.min()) / 2
+            for quarter in (image[:16, :16], image[:16, 16:], image[16:, :16], image[16:, 16:]):
+                if TEXTURE_CLASSES[class_index] != "noise":  # noise blobs may fill a quarter
+                    assert (quarter > threshold).any() and (quarter < threshold).any()
+    with pytest.raises(ValueError, match="class_index = 4"):
+        embedded.render_image(spec, TEXTURE_SPLIT, 4, 0)
 
 
 # ---------------------------------------------------------------------- colour vs shape
@@ -317,3 +354,20 @@ def test_concurrent_finisher_wins(tmp_path, monkeypatch, same_spec):
             generate_embedded_dataset(root, TINY, progress=False)
     assert json.loads((root / "manifest.json").read_text())["spec"]["seed"] == (0 if same_spec else 5)
     assert leftover_temp_dirs(tmp_path, "race") == []
+
+
+def test_a_dataset_that_cannot_take_the_texture_split_is_used_as_it_is(tmp_path):
+    """Adding the split fails (here a file stands where its folder would go, as a read-only folder would make the
+    writes fail): a warning, the dataset used as it is, nothing changed and no temporary left."""
+    root = generate_embedded_dataset(tmp_path / "blocked", TINY, progress=False)
+    shutil.rmtree(root / TEXTURE_SPLIT)
+    manifest = json.loads((root / "manifest.json").read_text())
+    for key in ("classes", "counts"):
+        del manifest[key][TEXTURE_SPLIT]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    (root / TEXTURE_SPLIT).write_text("in the way")
+    before = file_digests(root)
+    with pytest.warns(UserWarning, match="could not add the splits"):
+        assert generate_embedded_dataset(root, TINY, progress=False) == root
+    assert file_digests(root) == before and sorted(p.name for p in root.iterdir()) == sorted(
+        ["manifest.json", "ood", "ood_textures", "train", "val"])

@@ -188,3 +188,77 @@ def test_the_sweep_records_each_setting_with_its_command_and_tabulates_it(runs, 
     assert not list(tmp_path.rglob("*.pt"))  # the fine-tuned weights are not kept
     rows = sweep_rows(tmp_path)
     assert len(rows) == 3 and rows[2].startswith("| standard | ce_only |")
+
+
+def test_every_ood_set_is_evaluated_before_and_after_and_the_losses_are_logged(runs, tiny_dataset, tmp_path):
+    """data.ood_split, the embedded texture split (data.far_ood_split) and an eval.ood_sets entry are all evaluated;
+    the same folder under two names gives the same numbers; `fastanchor evaluate` of the same checkpoint agrees on
+    the textures; per-step ID and OOD losses add up to the logged loss (lambda 0.5)."""
+    checkpoint = runs / "standard" / "final.pt"
+    sets = ["--set", "data.far_ood_split=ood_textures", "--set", f"eval.ood_sets=[again={tiny_dataset / 'ood'}]"]
+    result = run_main("finetune-ood", "--checkpoint", checkpoint, "--out", tmp_path / "sft", "--set", "finetune_ood.steps=3",
+                      "--set", "finetune_ood.ood_weight=0.5", *sets)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
+    for when in ("before", "after"):
+        ood = summary[when]["ood"]
+        assert ood["over"] == list(ood["sets"]) == ["ood", "ood_textures", "again"]
+        assert ood["sets"]["again"] == ood["sets"]["ood"]
+        assert ood["auroc"]["energy"] == pytest.approx(np.mean([s["energy"]["auroc"] for s in ood["sets"].values()]))
+    assert "| AUROC, energy on ood_textures (%) |" in (tmp_path / "sft" / "summary.md").read_text()
+
+    evaluated = run_main("evaluate", "--checkpoint", checkpoint, "--set", "eval.plots=false", *sets)
+    assert evaluated.returncode == 0, evaluated.stderr
+    textures = json.loads((runs / "standard" / "eval.json").read_text())["ood"]["sets"]["ood_textures"]
+    for score in ("energy", "msp", "maxlogit"):
+        assert summary["before"]["ood"]["sets"]["ood_textures"][score]["auroc"] == pytest.approx(textures[score]["auroc"])
+        assert summary["before"]["ood"]["sets"]["ood_textures"][score]["fpr95"] == pytest.approx(textures[score]["fpr95"])
+
+    records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["loss"] == pytest.approx(r["id_loss"] + 0.5 * r["ood_loss"], rel=1e-5)
+        assert r["ood_loss"] >= 0.0  # KL(U || p) is never negative
+    window = summary["losses"]["id_loss"]["steps_averaged"]
+    assert window == 1 and summary["losses"]["ood_loss"]["first"] == pytest.approx(records[0]["ood_loss"])
+    assert summary["losses"]["id_loss"]["last"] == pytest.approx(records[-1]["id_loss"])
+
+
+def test_every_sft_table_setting_is_a_valid_finetune_ood_config_and_its_summary_flattens(runs, tmp_path):
+    from fastanchor.benchmarks.sft_tables import SFT_TABLES, overrides, table_values
+    from fastanchor.trainer.config import load_config, parse_override, set_value, validate
+
+    for table, settings in SFT_TABLES.items():
+        for setting in settings:
+            config = load_config("demo")
+            for text in overrides(table, setting):
+                set_value(config, *parse_override(text))
+            validate(config)
+            assert config.finetune_ood.lr == 0.001 and config.finetune_ood.ood_weight in (0.0, 1.0)
+    result = run_main("finetune-ood", "--checkpoint", runs / "standard" / "final.pt", "--out", tmp_path,
+                      "--set", "data.far_ood_split=ood_textures",
+                      *[a for o in overrides("sft-tab4", "only_id_data") for a in ("--set", o)], "--set", "finetune_ood.steps=2")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["finetune_ood"]["ood_weight"] == 0.0 and summary["finetune_ood"]["steps"] == 2
+    values = table_values(summary)
+    energy = summary["after"]["ood"]["sets"]["ood_textures"]["energy"]
+    assert values["energy/ood_textures_auroc"] == pytest.approx(100 * energy["auroc"])
+    assert values["energy/average_fpr95"] == pytest.approx(50 * sum(s["energy"]["fpr95"] for s in summary["after"]["ood"]["sets"].values()))
+    assert values["id_top1_change"] == pytest.approx(summary["after"]["id"]["top1"] - summary["before"]["id"]["top1"])
+
+
+def test_the_sft_papers_numbers_load_for_every_table_setting():
+    """reproduce/paper_numbers/002.yaml is read by the reproduce machinery's own loader; each of its experiments is a
+    table of benchmarks/sft_tables.py, every row has a number per column, and Table 5's sweep holds its step counts."""
+    from fastanchor.benchmarks.sft_tables import SFT_TABLES
+    from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
+    import yaml
+
+    experiments = yaml.safe_load((PAPER_NUMBERS / "002.yaml").read_text())["experiments"]
+    assert set(experiments) == set(SFT_TABLES)
+    for name, block in experiments.items():
+        for table in block["tables"]:
+            assert all(len(row["values"]) == len(table["columns"]) for row in table["rows"]), (name, table["source"])
+        assert paper_numbers(name, "002")["entries"]
+    steps = {e["value"]: e["number"] for e in paper_numbers("sft-tab5", "002")["entries"] if e["metric"] == "average_auroc"}
+    assert [steps[n] for n in (10, 50, 100, 200)] and steps[50] == max(steps.values())  # the paper's best: 50 steps

@@ -3,7 +3,7 @@
 The layers, bottom first (a module may import its own layer and the layers below it, nothing above):
 
   root        fastanchor/__init__.py and the utility modules at the package root that every layer may
-              use: errors.py (the error family), files.py (atomic file writing)
+              use: errors.py (the error family), files.py (atomic file writing), progress.py (progress output)
   kernels     fastanchor/kernels/
   pipeline    fastanchor/pipeline/
   trainer     fastanchor/trainer/, in parts that import only down too, bottom first:
@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fastanchor` package
 PACKAGE = "fastanchor"
 LAYERS = ("root", "kernels", "pipeline", "trainer", "benchmarks", "reproduce", "cli")
-ROOT_MODULES = {"fastanchor": "root", "fastanchor.errors": "root", "fastanchor.files": "root",
+ROOT_MODULES = {"fastanchor": "root", "fastanchor.errors": "root", "fastanchor.files": "root", "fastanchor.progress": "root",
                 "fastanchor.__main__": "cli"}
 CLI_MODULES = {"fastanchor.__main__", "fastanchor.benchmarks.__main__"}  # and every module under cli/
 SUBPACKAGES = ("kernels", "pipeline", "trainer", "benchmarks", "reproduce", "cli")

@@ -16,7 +16,7 @@ from torch import nn
 from fastanchor.errors import ConfigError, FastAnchorError
 import fastanchor.trainer.models as models
 from fastanchor.trainer.models import (
-    DEMO_MODEL, ModelError, check_model_name, create_model, find_first_layer, find_first_layers, widen_first_layer,
+    DEMO_MODEL, DEMO_MODEL_GN, ModelError, check_model_name, create_model, find_first_layer, find_first_layers, widen_first_layer,
 )
 
 
@@ -34,6 +34,9 @@ SURGERY_CASES = {
     "swinv2_tiny_window8_256": (lambda: timm.create_model("swinv2_tiny_window8_256", num_classes=10, img_size=64),
                                 64, "patch_embed.proj"),
     DEMO_MODEL: (lambda: timm.create_model(DEMO_MODEL, num_classes=10), 32, "stem.conv"),
+    # the norm-layer models of SFT (issue 27): GroupNorm demo ResNet, LayerNorm ConvNeXt at 32 px
+    DEMO_MODEL_GN: (lambda: timm.create_model(DEMO_MODEL_GN, num_classes=10), 32, "stem.conv"),
+    "convnext_atto": (lambda: timm.create_model("convnext_atto", num_classes=10), 32, "stem.0"),
 }
 
 
@@ -138,6 +141,8 @@ def test_all_first_convs_named_by_timm_are_widened():
 CREATE_CASES = [  # name, image_size, reference builder, first layer
     (DEMO_MODEL, 32, lambda: timm.create_model(DEMO_MODEL, num_classes=7), "stem.conv"),
     ("fastanchor_convnet5", 32, lambda: timm.create_model("fastanchor_convnet5", num_classes=7), "features.0"),
+    (DEMO_MODEL_GN, 32, lambda: timm.create_model(DEMO_MODEL_GN, num_classes=7), "stem.conv"),
+    ("convnext_atto", 32, lambda: timm.create_model("convnext_atto", num_classes=7), "stem.0"),
     ("torchvision/resnet18", 32, lambda: torchvision.models.resnet18(num_classes=7), "conv1"),
     ("resnet18", 32, lambda: timm.create_model("resnet18", num_classes=7), "conv1"),  # rejects img_size
     ("vit_tiny_patch16_224", 32, lambda: timm.create_model("vit_tiny_patch16_224", num_classes=7, img_size=32),
@@ -250,6 +255,25 @@ def test_registration_survives_a_second_import():
         spec.loader.exec_module(module)
     assert timm.models.model_entrypoint(DEMO_MODEL) is models.fastanchor_resnet_tiny
     assert timm.create_model(DEMO_MODEL, num_classes=4).fc.out_features == 4
+
+
+def test_group_norm_variant_is_the_demo_model_with_group_norm_and_no_batch_statistics():
+    torch.manual_seed(0)
+    batchnorm, groupnorm = create_model(DEMO_MODEL, 10, anchored=True), create_model(DEMO_MODEL_GN, 10, anchored=True)
+    assert timm.is_model(DEMO_MODEL_GN) and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in groupnorm.modules())
+    norms = [m for m in groupnorm.modules() if isinstance(m, nn.GroupNorm)]
+    assert len(norms) == sum(isinstance(m, nn.BatchNorm2d) for m in batchnorm.modules()) == 1 + 4 * 2 + 3  # stem, blocks, downsamples
+    assert all(m.num_groups == 8 and m.num_channels % 8 == 0 for m in norms)
+    parameters = {k: v.shape for k, v in batchnorm.named_parameters()}
+    assert {k: v.shape for k, v in groupnorm.named_parameters()} == parameters  # same layers, same names
+    # GroupNorm normalises each sample alone: in training mode a sample's logits do not depend on its batch
+    groupnorm.train()
+    x = torch.randn(4, 6, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(groupnorm(x)[:1], groupnorm(x[:1]), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(batchnorm.train()(x)[:1], batchnorm(x[:2])[:1], atol=1e-3)
+    with pytest.raises(ModelError):
+        timm.create_model(DEMO_MODEL_GN, pretrained=True)
 
 
 @pytest.mark.parametrize("anchored", [False, True])

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("", "kernels", "pipeline", "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
             "reproduce", "cli")  # folders whose *.py are the modules
 DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt", "pipeline/c_bar_levels.json",
-              "reproduce/paper_numbers/000.yaml")
+              "reproduce/paper_numbers/000.yaml", "reproduce/paper_numbers/002.yaml")
 
 
 def shipped_files() -> set[str]:

@@ -63,7 +63,7 @@ from fastanchor.pipeline.torchvision_loader import (
     train_transform,
 )
 from fastanchor.trainer.checkpoint import load_checkpoint
-from fastanchor.trainer.config import Config, DataConfig, config_from_dict, parse_override, set_value, validate
+from fastanchor.trainer.config import Config, DataConfig, config_from_dict, with_overrides
 from fastanchor.trainer.distributed import Processes, main_first
 from fastanchor.trainer.initial_weights import freeze_backbone, load_initial_weights
 from fastanchor.trainer.loss_window import LossWindow
@@ -94,10 +94,7 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
     """The model of checkpoint `path` in eval mode on `device`, rebuilt by `build_model` from the checkpoint's own
     config (with `overrides`, ``section.key=value`` texts, applied and validated), its config, and the checkpoint."""
     state = load_checkpoint(path)
-    config = config_from_dict(state["config"])
-    for text in overrides:
-        set_value(config, *parse_override(text))
-    validate(config)
+    config = with_overrides(config_from_dict(state["config"]), overrides)
     model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
     model.load_state_dict(state["model"])
     return model.eval(), config, state
@@ -136,7 +133,7 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
         recorded = recorded_index(split_beton_path(data, root), root, classes)
         if recorded is not None:
             return recorded
-    return scan_image_folder(root, classes)
+    return scan_image_folder(root, classes, data.allow_empty_classes)
 
 
 def beton_folder(data: DataConfig) -> Path:
@@ -312,13 +309,18 @@ def ood_sets(config: Config) -> list[EvalSet]:
         root = Path(d.root) / d.ood_split
         if not root.is_dir():
             raise DataError(f"OOD split '{root}' does not exist: set data.ood_split='' to skip anomaly rejection")
-        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform))
+        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform,
+                               allow_empty_classes=d.allow_empty_classes))
+    if d.far_ood_split and (Path(d.root) / d.far_ood_split).is_dir():  # read where it exists (docs/embedded.md)
+        sets.append(folder_set(d.far_ood_split, Path(d.root) / d.far_ood_split, "data.far_ood_split", "ood", "ood", transform,
+                               allow_empty_classes=d.allow_empty_classes))
     for entry in e.ood_sets:
         name, path = parse_named_path(entry, "eval.ood_sets")
-        sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform))
+        sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform, allow_empty_classes=d.allow_empty_classes))
     names = [s.name for s in sets]
     if len(set(names)) != len(names):
-        raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}); choose another name")
+        raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}) or data.far_ood_split "
+                          f"({d.far_ood_split!r}); choose another name")
     return [limit(s, e.max_images, e.seed) for s in sets]
 
 

@@ -43,6 +43,8 @@ class DataConfig:
     train_split: str = option("train", "training split folder under data.root")
     val_split: str = option("val", "validation split folder under data.root")
     ood_split: str = option("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
+    far_ood_split: str = option("ood_textures", "far-OOD split folder under data.root, also evaluated where it exists ('' to skip)")
+    allow_empty_classes: bool = option(False, "keep a class folder without images as a class (false: refuse it, as torchvision does)")
     loader: str = option("torchvision", "data loader: torchvision DataLoader, FFCV (.beton files written from the tree) or NVIDIA DALI", choices=("torchvision", "ffcv", "dali"))
     ffcv_max_resolution: int = option(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = option(90, "FFCV: JPEG quality of images re-encoded into the .beton")
@@ -153,7 +155,7 @@ class TrainConfig:
     out_dir: str = option("runs", "directory under which the run directory is created")
     run_name: str = option("", "run directory name under out_dir (default: <model>-<standard|anchored>-<time>)")
     log_interval: int = option(20, "steps between metric lines in metrics.jsonl (and between nan/inf checks of the loss)")
-    progress: bool = option(True, "show progress bars with images/s")
+    progress: bool = option(True, "show progress with images/s: bars on a terminal, plain lines in a file or a pipe")
     tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (needs the tensorboard extra)")
     checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch)")
     keep_checkpoints: int = option(0, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
@@ -392,8 +394,16 @@ def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = ())
         if not isinstance(about, dict):
             raise ConfigError(f"recipe '{recipe}': about = {about!r}: expected a mapping (title, aims_at, source, ...)")
         apply_mapping(config, mapping, str(resolve_recipe(recipe)))
+    return with_overrides(config, overrides)
+
+
+def with_overrides(config: Config, overrides: typing.Sequence[str] = (), values: dict | None = None) -> Config:
+    """`config` changed by `section.key=value` texts (--set), then by already-parsed `values`, then validated:
+    the one way every command turns a recipe or a checkpoint's config into the config it runs."""
     for text in overrides:
         set_value(config, *parse_override(text))
+    for key, value in (values or {}).items():
+        set_value(config, key, value)
     validate(config)
     return config
 

@@ -19,7 +19,7 @@ import torch
 
 from fastanchor.errors import CheckpointError, ConfigError
 from fastanchor.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from fastanchor.trainer.config import Config, config_from_dict, parse_override, set_value, validate
+from fastanchor.trainer.config import Config, config_from_dict, with_overrides
 from fastanchor.trainer.run_folder import RunFolder
 
 CHANGEABLE = (
@@ -77,11 +77,7 @@ def resumable(path: Path) -> ResumePoint:
 def resume_config(path: str | Path, overrides=()) -> Config:
     """The config of the run `path` belongs to, with `--set` overrides (validated)."""
     point = resumable(Path(path))
-    config = config_from_dict(point.state["config"])
-    for text in overrides:
-        set_value(config, *parse_override(text))
-    validate(config)
-    return config
+    return with_overrides(config_from_dict(point.state["config"]), overrides)
 
 
 def find_resume_point(config: Config, resume: str | None) -> ResumePoint | None:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from fastanchor.pipeline.data import evaluation_is_sharded, iterate_from
+from fastanchor.progress import progress_bar, write
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import Training, build_training, make_deterministic, resolve_device, seed_everything
 from fastanchor.trainer.checkpoint import checkpoint_name, remove_temporaries, set_aside_newer
@@ -54,7 +54,7 @@ def validate(model, loader, *, anchored: bool, references: FixedReferenceSet | N
     correct = {1: 0, 5: 0}
     seen = 0
     autocast = torch.autocast(loader.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-    for images, labels in tqdm(loader, desc="validate", leave=False, disable=not progress, unit="batch"):
+    for images, labels in progress_bar(loader, desc="validate", leave=False, enabled=progress, unit="batch"):
         with autocast:
             prediction = predict(model, images, anchored=anchored, references=references, generator=generator, flip=flip)
         for k, hits in topk_correct(prediction.logits, labels).items():
@@ -143,8 +143,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
             log(record)
             if show:
                 loss_text = "n/a" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
-                tqdm.write(f"epoch {epoch + 1}: loss {loss_text}  val top-1 {val['val_top1']:.2f}%  "
-                           f"top-5 {val['val_top5']:.2f}%  {record['train_images_per_s']:.0f} img/s")
+                write(f"epoch {epoch + 1}: loss {loss_text}  val top-1 {val['val_top1']:.2f}%  "
+                      f"top-5 {val['val_top5']:.2f}%  {record['train_images_per_s']:.0f} img/s")
             state.save(at, record)
             at.batch = 0
     finally:
@@ -175,8 +175,8 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
     run.loader.set_epoch(at.epoch)
     run.loader.set_image_size(resolution)
     stats = EpochStats(resolution=resolution, started=time.perf_counter(), shown_loss=shown_loss)
-    bar = tqdm(iterate_from(run.loader, at.batch), initial=at.batch, total=run.steps_per_epoch,
-               desc=f"epoch {at.epoch + 1}/{epochs}", disable=not show, unit="batch", dynamic_ncols=True)
+    bar = progress_bar(iterate_from(run.loader, at.batch), initial=at.batch, total=run.steps_per_epoch,
+                       desc=f"epoch {at.epoch + 1}/{epochs}", enabled=show, unit="batch", every=log_interval)
     for images, labels in bar:
         batch = run.stage.process(images, labels)
         loss = run.step(batch)

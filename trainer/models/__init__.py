@@ -5,7 +5,8 @@
 - surgery.py: `widen_first_layer` gives the layer that reads the image 6 input channels for
   ``concat([r, x - r])`` without changing the function (`find_first_layers` finds it).
 - fastanchor's own networks, each registered in timm's registry when this package is imported:
-  tiny_resnet.py (``fastanchor_resnet_tiny``, the CPU demo model, and ``fastanchor_cifar_resnet18``),
+  tiny_resnet.py (``fastanchor_resnet_tiny``, the CPU demo model, its GroupNorm variant
+  ``fastanchor_resnet_tiny_gn`` and ``fastanchor_cifar_resnet18``),
   convnet5.py (``fastanchor_convnet5``) and wide_resnet.py (``fastanchor_wrn40_2``); classifier_head.py
   is the head they share and timm_registry.py what they share to be registered.
 """
@@ -19,13 +20,15 @@ from fastanchor.trainer.models.surgery import find_first_layer, find_first_layer
 from fastanchor.trainer.models.tiny_resnet import (
     CIFAR_RESNET18,
     DEMO_MODEL,
+    DEMO_MODEL_GN,
     TinyResNet,
     fastanchor_cifar_resnet18,
     fastanchor_resnet_tiny,
+    fastanchor_resnet_tiny_gn,
 )
 
 __all__ = [
-    "ModelError", "TORCHVISION_PREFIX", "DEMO_MODEL", "check_model_name", "create_model",
+    "ModelError", "TORCHVISION_PREFIX", "DEMO_MODEL", "DEMO_MODEL_GN", "check_model_name", "create_model",
     "find_first_layer", "find_first_layers", "widen_first_layer", "TinyResNet", "check_blurpool", "CIFAR_RESNET18",
-    "CONVNET5", "PlainConvNet", "fastanchor_resnet_tiny", "fastanchor_cifar_resnet18", "fastanchor_convnet5",
+    "CONVNET5", "PlainConvNet", "fastanchor_resnet_tiny", "fastanchor_resnet_tiny_gn", "fastanchor_cifar_resnet18", "fastanchor_convnet5",
 ]

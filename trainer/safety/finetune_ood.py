@@ -6,9 +6,14 @@ Loads a trained standard or anchored checkpoint, evaluates it, fine-tunes it for
 `finetune_ood.steps` steps, evaluates it again, and writes into `<run>/finetune_ood/`:
 
     finetuned.pt    the fine-tuned checkpoint (training's format: `fastanchor evaluate` reads it)
-    summary.json    {"before": {...}, "after": {...}} (eval.json-shaped) and the settings used
+    summary.json    {"before": {...}, "after": {...}} (eval.json-shaped: ID top-1 and, per OOD set and
+                    score, AUROC and FPR95), "losses" (first and last steps') and the settings used
     summary.md      the before/after table
-    metrics.jsonl   one line per step: losses, the jigsaw grid, images/s
+    metrics.jsonl   one line per step: total, ID (cross-entropy) and OOD (distance to uniform) losses at
+                    the step's weights before it, the jigsaw grid, images/s
+
+The OOD sets are those `fastanchor evaluate` reads: data.ood_split, data.far_ood_split (the embedded
+data's procedural textures) when that folder exists, and every eval.ood_sets entry.
 
 One step, top to bottom:
 
@@ -39,17 +44,19 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
-from tqdm import tqdm
 
 from fastanchor.errors import ConfigError, DataError, TrainingError
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage, to_device_batch
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.eval_sets import subset
+from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.build import eval_loader, split_index, train_loader
+from fastanchor.trainer.build import eval_loader, loader_for, ood_sets, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.safety.evaluate import (CONVENTIONS, accuracy, checkpoint_references, collect, ood_scores,
@@ -77,7 +84,8 @@ def jigsaw_grids(config: Config) -> list[int]:
 
 
 def safety_metrics(model, config: Config, state: dict, device: torch.device, *, label: str, progress: bool) -> dict:
-    """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit): an eval.json-shaped dict.
+    """ID top-1/top-5 and OOD detection (AUROC, FPR95 for energy, MSP, MaxLogit) on every OOD set `fastanchor
+    evaluate` reads (data.ood_split, data.far_ood_split when present, eval.ood_sets): an eval.json-shaped dict.
 
     Anchored models: accuracy with one random reference per image (and the mean over K = eval.num_references),
     scores by eval.ood_references references per image (one, the paper's, by default), the std score from the
@@ -89,42 +97,59 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
     ood_k = e.ood_references if anchored else 1
     std_k = ood_k if ood_k > 1 else k
     val_index = split_index(d, d.val_split, tuple(state["classes"]))
-    ood_index = scan_image_folder(Path(d.root) / d.ood_split)
 
-    def run(index, desc, references_per_image=1):
-        return collect(model, eval_loader(d, index, device, progress=progress), anchored=anchored, references=references,
+    def run(loader, desc, references_per_image=1):
+        return collect(model, loader, anchored=anchored, references=references,
                        num_references=references_per_image, seed=e.seed, desc=f"{label}: {desc}", progress=progress)
 
+    def id_loader():
+        if e.max_images:  # a seeded subset, decoded by the torchvision path (as `fastanchor evaluate` does)
+            return loader_for(subset(DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio)),
+                                     e.max_images, e.seed), d, device)
+        return eval_loader(d, val_index, device, progress=progress)
+
     model.eval()
-    clean = {1: run(val_index, "ID")}
-    ood = {}
+    clean = {1: run(id_loader(), "ID")}
     for count in (k, ood_k, std_k):
         if count not in clean:
-            clean[count] = run(val_index, f"ID K={count}", count)
-    for count in dict.fromkeys((ood_k, std_k)):
-        ood[count] = run(ood_index, f"OOD K={count}", count)
+            clean[count] = run(id_loader(), f"ID K={count}", count)
     with_std = anchored and std_k > 1
     id_scores = ood_scores(clean[ood_k]["logits"], clean[std_k]["std"] if with_std else None)
-    scores = ood_scores(ood[ood_k]["logits"], ood[std_k]["std"] if with_std else None)
-    per_score = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
+    per_set = {}
+    for eval_set in ood_sets(config):
+        ood = {count: run(loader_for(eval_set.dataset, d, device), f"{eval_set.name} K={count}", count)
+               for count in dict.fromkeys((ood_k, std_k))}
+        scores = ood_scores(ood[ood_k]["logits"], ood[std_k]["std"] if with_std else None)
+        per_set[eval_set.name] = {name: rejection_metrics(id_scores[name], scores[name], "id") for name in id_scores}
+    names = list(id_scores)
     protocol = "one_reference" if ood_k == 1 else f"k{ood_k}"
     return {"checkpoint": label, "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
             "references": checkpoint_references(state),
             "id": {**accuracy(clean[1]), f"top1_k{k}": accuracy(clean[k])["top1"]},
             "ood": {"convention": CONVENTION, "positive": "id", "protocol": protocol,
-                    "score_protocols": {name: (f"k{std_k}" if name == "anchored_std" else protocol) for name in per_score},
-                    "auroc": {name: values["auroc"] for name, values in per_score.items()},
-                    "sets": {d.ood_split: per_score}}}
+                    "score_protocols": {name: (f"k{std_k}" if name == "anchored_std" else protocol) for name in names},
+                    "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
+                    "over": list(per_set), "sets": per_set,
+                    "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
+                                    for metric in ("auroc", "aupr", "fpr95")} for name in names}}}
 
 
 def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:
-    """(metric, before, after) in percent, in a fixed order."""
+    """(metric, before, after) in percent, in a fixed order: ID top-1, then FPR95 and AUROC per score on the
+    first OOD set (data.ood_split), then on each further set (named in the metric) and their mean."""
     rows = [("ID top-1 (%)", before["id"]["top1"], after["id"]["top1"])]
-    (ood_set, scores_before), = before["ood"]["sets"].items()
-    scores_after = after["ood"]["sets"][ood_set]
-    for name in scores_before:
-        rows.append((f"FPR95, {name} (%, lower is better)", 100 * scores_before[name]["fpr95"], 100 * scores_after[name]["fpr95"]))
-        rows.append((f"AUROC, {name} (%)", 100 * scores_before[name]["auroc"], 100 * scores_after[name]["auroc"]))
+    sets = list(before["ood"]["sets"])
+    for i, ood_set in enumerate(sets):
+        scores_before, scores_after = before["ood"]["sets"][ood_set], after["ood"]["sets"][ood_set]
+        where = "" if i == 0 else f" on {ood_set}"
+        for name in scores_before:
+            rows.append((f"FPR95, {name}{where} (%, lower is better)", 100 * scores_before[name]["fpr95"],
+                         100 * scores_after[name]["fpr95"]))
+            rows.append((f"AUROC, {name}{where} (%)", 100 * scores_before[name]["auroc"], 100 * scores_after[name]["auroc"]))
+    if len(sets) > 1:
+        for name in before["ood"]["mean"]:
+            rows.append((f"AUROC, {name}, mean over the {len(sets)} OOD sets (%)", 100 * before["ood"]["mean"][name]["auroc"],
+                         100 * after["ood"]["mean"][name]["auroc"]))
     return rows
 
 
@@ -132,6 +157,39 @@ def markdown_table(before: dict, after: dict) -> str:
     lines = ["| metric | before | after | change |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {b:.2f} | {a:.2f} | {a - b:+.2f} |" for name, b, a in summary_rows(before, after)]
     return "\n".join(lines)
+
+
+def norm_layer_counts(model: torch.nn.Module) -> dict[str, int]:
+    """{"BatchNorm" | "GroupNorm" | "LayerNorm": number of such modules} (subclasses counted under their base)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        for base, name in ((_BatchNorm, "BatchNorm"), (torch.nn.GroupNorm, "GroupNorm"), (torch.nn.LayerNorm, "LayerNorm")):
+            if isinstance(module, base):
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def sft_regime(norm_layers: dict[str, int]) -> str:
+    """One line: whether the model is in the SFT paper's regime (GroupNorm / LayerNorm models; the paper reports that
+    SFT does not suit BatchNorm models), from `norm_layer_counts`."""
+    layers = ", ".join(f"{n} {name}" for name, n in norm_layers.items()) or "no normalisation layer"
+    if norm_layers and set(norm_layers) == {"BatchNorm"}:
+        return (f"This model normalises with BatchNorm only ({layers}): outside the SFT paper's claim, which is made for "
+                f"GroupNorm and LayerNorm models (docs/evaluation.md).")
+    if norm_layers.get("BatchNorm"):
+        return f"This model mixes BatchNorm with other normalisation ({layers}): partly outside the SFT paper's claim."
+    if norm_layers:
+        return f"This model normalises with {layers}: the SFT paper's regime (GroupNorm and LayerNorm models)."
+    return "This model has no normalisation layer: SAM-only-norm has nothing to perturb."
+
+
+def loss_trace(records: list[dict]) -> dict:
+    """The losses at the start and the end of fine-tuning (mean over the first and the last tenth of the steps, at
+    least one): whether the objective was optimised, in summary.json; every step's losses are in metrics.jsonl."""
+    window = max(1, len(records) // 10)
+    return {key: {"first": float(np.mean([r[key] for r in records[:window]])),
+                  "last": float(np.mean([r[key] for r in records[-window:]])), "steps_averaged": window}
+            for key in ("loss", "id_loss", "ood_loss")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +276,7 @@ def finetune(model: torch.nn.Module, config: Config, state: dict, device: torch.
 
     records, started, seen = [], time.perf_counter(), 0
     batches = endless(loader)
-    bar = tqdm(range(f.steps), desc="finetune-ood", disable=not progress, unit="step", dynamic_ncols=True)
+    bar = progress_bar(range(f.steps), desc="finetune-ood", enabled=progress, unit="step")
     with finetune_mode(model, f.batchnorm):
         for step in bar:
             images, labels = to_device_batch(*next(batches), device)
@@ -251,6 +309,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     if not d.ood_split or not (Path(d.root) / d.ood_split).is_dir():
         raise DataError(f"OOD split '{Path(d.root) / d.ood_split}' does not exist: finetune-ood evaluates OOD detection "
                         f"before and after, expected data.ood_split to name a split folder under data.root")
+    oods = [eval_set.name for eval_set in ood_sets(config)]  # every OOD set is found and checked before the model runs
     progress = config.train.progress if progress is None else progress
     seed_everything(f.seed)
 
@@ -260,18 +319,20 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     after = safety_metrics(model, config, state, device, label=str(finetuned), progress=progress)
 
     settings = {"checkpoint": str(path), "finetuned_checkpoint": str(finetuned), "device": str(device),
-                "jigsaw_grids_used": grids,
+                "jigsaw_grids_used": grids, "norm_layers": norm_layer_counts(model),
                 "ood_distance": "KL(U || softmax(logits))", **dataclasses.asdict(f)}
-    summary = {"before": before, "after": after, "finetune_ood": settings}
+    summary = {"before": before, "after": after, "losses": loss_trace(records), "finetune_ood": settings}
     save_checkpoint(finetuned, {**{key: state[key] for key in ("classes", "epoch", "step", "reference_images")},
                                 "reference_origin": state.get("reference_origin"),
                                 "config": config.to_dict(), "model": model.state_dict(), "metrics": after,
                                 "finetuned_from": str(path)})
     table = markdown_table(before, after)
+    batchnorm = f"BatchNorm {f.batchnorm}" if "BatchNorm" in settings["norm_layers"] else "no BatchNorm"
     text = (f"# OOD fine-tuning (SFT) of {path}\n\n"
             f"{f.optimizer}, {f.steps} steps, rho {f.rho}, lr {f.lr}, weight decay {f.weight_decay}, lambda {f.ood_weight}, "
-            f"jigsaw grids {settings['jigsaw_grids_used']}, BatchNorm {f.batchnorm}; ID: '{d.val_split}' "
-            f"({config.data.root}), OOD: '{d.ood_split}'.\n\n{table}\n\n{CONVENTION}."
+            f"jigsaw grids {settings['jigsaw_grids_used']}, {batchnorm}; ID: '{d.val_split}' "
+            f"({config.data.root}), OOD: {', '.join(repr(name) for name in oods)}. {sft_regime(settings['norm_layers'])}\n\n"
+            f"{table}\n\n{CONVENTION}."
             + (f" Anchored model: top-1 with one random reference per image; anomaly scores with "
                f"{config.eval.ood_references} reference(s) per image, the std score over K = {config.eval.num_references}."
                if config.anchor.enabled else "") + "\n")

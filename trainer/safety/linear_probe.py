@@ -34,47 +34,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
-from fastanchor.pipeline.corruptions import check_corruption_names
 from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.progress import progress_bar
 from fastanchor.pipeline.torchvision_loader import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
 from fastanchor.trainer.safety.evaluate import checkpoint_references, reference_set_record
 from fastanchor.trainer.build import load_for_inference, resolve_device
 from fastanchor.trainer.run_folder import RunFolder
-
-
-
-@dataclass
-class ProbeSpec:
-    train_root: str = ""  # default: the checkpoint's data.root/train_split
-    val_root: str = ""  # default: data.root/val_split
-    shift_root: str = ""  # an ImageFolder shifted set; empty: the val set corrupted
-    shift_corruption: str = "gaussian_noise"
-    shift_severity: int = 3
-    alpha: float = 0.4
-    views: int = 4
-    l2: float = 1e-3
-    reference_pool: int = 1000
-    seed: int = 0
-    overrides: tuple = ()
-
-    def check(self) -> None:
-        if not 0.0 <= self.alpha < 1.0:
-            raise ConfigError(f"alpha = {self.alpha}: expected a masking probability in [0, 1)")
-        if self.views < 1:
-            raise ConfigError(f"views = {self.views}: expected >= 1 reference draws per training image")
-        if self.l2 <= 0:
-            raise ConfigError(f"l2 = {self.l2}: expected > 0 (the probe's weight penalty)")
-        if self.reference_pool < 1:
-            raise ConfigError(f"reference pool = {self.reference_pool}: expected >= 1 training images")
-        if not 1 <= self.shift_severity <= 5:
-            raise ConfigError(f"shift severity = {self.shift_severity}: expected 1 to 5")
-        check_corruption_names([self.shift_corruption])
+from fastanchor.trainer.safety.specs import ProbeSpec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,7 +74,7 @@ def features_of(extract, loader, *, anchored: bool, pool: torch.Tensor | None, v
     (and, with `masked_too`, [0, x - r] with the same r).
     """
     plain, masked, labels = [], [], []
-    bar = tqdm(loader, desc=desc, leave=False, disable=not progress, unit="batch")
+    bar = progress_bar(loader, desc=desc, leave=False, enabled=progress, unit="batch")
     started, seen = time.perf_counter(), 0
     for images, batch_labels in bar:
         labels.append(batch_labels.cpu())
@@ -250,7 +221,7 @@ def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") 
     model.requires_grad_(False)
     anchored, d = config.anchor.enabled, config.data
     extract, described = feature_extractor(model)
-    train_index = scan_image_folder(spec.train_root or Path(d.root) / d.train_split)
+    train_index = scan_image_folder(spec.train_root or Path(d.root) / d.train_split, allow_empty_classes=d.allow_empty_classes)
     val_index = scan_image_folder(spec.val_root or Path(d.root) / d.val_split, train_index.classes)
     if spec.shift_root:
         shift_index, corruption = scan_image_folder(spec.shift_root, train_index.classes), None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,35 +54,23 @@ from fastanchor.trainer.safety.effective_robustness import (
 from fastanchor.trainer.safety.evaluate import checkpoint_references, collect
 from fastanchor.trainer.build import load_for_inference, resolve_device
 from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.safety.specs import DEFAULT_BASELINE, RobustnessSpec
 
 CHART_NAME = "robustness_over_training.png"
-DEFAULT_BASELINE = "auto"
 FIT_TO_RUNS = "fit-to-given-runs"
 TESTBED_FIT_NAME = "testbed_fit.json"
 TESTBED_CORRECT_NAME = "testbed_correct.npz"
 SHIPPED_TESTBEDS = TESTBED_FITS.with_name("testbeds")  # project testbed fit files shipped with fastanchor
 
 
-@dataclass
-class RobustnessSpec:
-    """What to evaluate each checkpoint on and which baseline to use (validated by `check`)."""
-
-    id_root: str = ""  # default: the run's data.root/data.val_split
-    ood_root: str = ""  # an ImageFolder OOD set; empty: the ID set corrupted
-    corruptions: list = field(default_factory=list)  # default: the run's eval.corruptions
-    severity: int = 3
-    baseline: str = DEFAULT_BASELINE
-    transform: str = "logit"
-    overrides: list = field(default_factory=list)  # data.* / eval.* / train.progress overrides for loading
-
-    def check(self) -> None:
-        check_transform(self.transform)
-        if not 1 <= self.severity <= 5:
-            raise ConfigError(f"severity {self.severity}: expected an integer 1 to 5")
-        if self.ood_root and self.corruptions:
-            raise ConfigError("give either an OOD folder or corruptions, not both")
-        check_corruption_names(self.corruptions)
-        parse_baseline(self.baseline, self.transform)  # only the form here; fits need the data
+def check_spec(spec: RobustnessSpec) -> None:
+    check_transform(spec.transform)
+    if not 1 <= spec.severity <= 5:
+        raise ConfigError(f"severity {spec.severity}: expected an integer 1 to 5")
+    if spec.ood_root and spec.corruptions:
+        raise ConfigError("give either an OOD folder or corruptions, not both")
+    check_corruption_names(spec.corruptions)
+    parse_baseline(spec.baseline, spec.transform)  # only the form here; fits need the data
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
@@ -366,7 +353,7 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart."""
     from fastanchor.trainer.safety.plots import effective_robustness_chart, run_label, write_png
 
-    spec.check()
+    check_spec(spec)
     names = [Path(r).name for r in run_dirs]
     if len(set(names)) != len(names):
         raise ConfigError(f"runs {names}: the run directories need different names (they label the chart)")

@@ -37,6 +37,7 @@ from fastanchor.trainer.safety.robustness import (
     TESTBED_CORRECT_NAME,
     TESTBED_FIT_NAME,
     RobustnessSpec,
+    check_spec,
     describe_pair,
     evaluate_checkpoint_sets,
     pair_key,
@@ -87,7 +88,7 @@ def build_testbed(out: str | Path, members: dict[str, Sequence[str]] | None = No
     out = Path(out)
     members = dict(SMALL_TESTBED if members is None else members)
     spec = spec or RobustnessSpec()
-    spec.check()
+    check_spec(spec)
     if len(members) < 2:
         raise ConfigError(f"a testbed needs at least two models, got {len(members)}")
     configs = {name: member_config(out, name, member, recipe, overrides) for name, member in members.items()}  # all checked first

@@ -1,0 +1,92 @@
+"""How the house reads, in numbers: lines of Python per folder and the longest functions.
+
+    python -m fastanchor.benchmarks.house_stats               # this checkout
+    python -m fastanchor.benchmarks.house_stats --rev main~5  # any git revision of it (read with `git show`)
+    python -m fastanchor.benchmarks.house_stats --rev A --rev B   # side by side, with the change
+
+The working tree is what git tracks plus new files it does not ignore. Lines are physical lines of the .py files (blank lines and comments included); a function's length is
+from its `def` (decorators left out) to its last line, as `ast` reads it. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fastanchor` package
+
+
+def python_files(rev: str | None) -> dict[str, str]:
+    """Path -> source of every .py file of the working tree (rev None) or of a git revision."""
+    if rev is None:  # the files git tracks and the new ones it does not ignore; every .py file outside a checkout
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard"],
+                                capture_output=True, text=True)
+        paths = listed.stdout.split() if listed.returncode == 0 else [
+            p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+            if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+        return {path: (ROOT / path).read_text() for path in sorted(paths) if path.endswith(".py") and (ROOT / path).is_file()}
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev], check=True,
+                            capture_output=True, text=True).stdout.split()
+    return {path: subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                                 text=True).stdout for path in listed if path.endswith(".py")}
+
+
+def folder_of(path: str) -> str:
+    """'trainer/safety/sam.py' -> 'trainer/safety'; a module at the root -> '(root)'."""
+    parent = str(Path(path).parent)
+    return "(root)" if parent == "." else parent
+
+
+def functions(path: str, source: str) -> list[tuple[int, str]]:
+    """(lines, 'path:Class.function') of every function and method."""
+    found = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((child.end_lineno - child.lineno + 1, f"{path}:{prefix}{child.name}"))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def stats(rev: str | None) -> tuple[Counter, list[tuple[int, str]]]:
+    files = python_files(rev)
+    lines = Counter()
+    for path, source in files.items():
+        lines[folder_of(path)] += source.count("\n")
+    longest = sorted((f for path, source in files.items() for f in functions(path, source)), reverse=True)
+    return lines, longest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", action="append", default=[], help="git revision (repeatable; default: the working tree)")
+    parser.add_argument("--top", type=int, default=15, help="longest functions listed (default: 15)")
+    args = parser.parse_args(argv)
+    revs = args.rev or [None]
+    results = [stats(rev) for rev in revs]
+    names = [rev or "working tree" for rev in revs]
+    folders = sorted(set().union(*(lines for lines, _ in results)))
+    print("| folder | " + " | ".join(names) + (" | change |" if len(revs) > 1 else " |"))
+    print("|---|" + "---:|" * (len(revs) + (len(revs) > 1)))
+    for folder in folders + ["total"]:
+        counts = [sum(lines.values()) if folder == "total" else lines.get(folder, 0) for lines, _ in results]
+        change = f" | {counts[-1] - counts[0]:+d}" if len(revs) > 1 else ""
+        print(f"| {folder} | " + " | ".join(str(c) for c in counts) + change + " |")
+    for name, (_, longest) in zip(names, results):
+        print(f"\nlongest functions ({name}):")
+        for length, where in longest[:args.top]:
+            print(f"  {length:4d}  {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

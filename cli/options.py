@@ -1,0 +1,70 @@
+"""The options of every `fastanchor` command, declared with `option()` like the config sections and the
+benchmarks (one line of help each; the long story is docs/cli.md). The options several commands share
+(--config, --set, --checkpoint, --device) are the mixins of trainer/flags.py; linear-probe's and
+robustness's own options are the library's specs (trainer/safety/specs.py), so their defaults are typed
+once. A docstring is the command's `--help` epilog. No torch import here: `--help` stays fast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastanchor.trainer.config import option
+from fastanchor.trainer.flags import FromCheckpoint, OnDevice, Recipe
+from fastanchor.trainer.safety.specs import ProbeSpec, RobustnessSpec
+
+
+@dataclass
+class PrepareOptions(Recipe):
+    format: str = option("imagefolder", "imagefolder: the ImageFolder tree only; ffcv: also a .beton per split",
+                         choices=("imagefolder", "ffcv"))
+
+
+@dataclass
+class TrainOptions(Recipe):
+    resume: str = option("", "continue a run exactly: PATH (a checkpoint of the run) or auto (<out_dir>/<run_name>)",
+                         metavar="PATH|auto")
+
+
+@dataclass
+class EvaluateOptions(FromCheckpoint):
+    """--set accepts data.* and eval.* options; the rest come from the checkpoint."""
+
+
+@dataclass
+class FinetuneOODOptions(FromCheckpoint):
+    """--set accepts finetune_ood.*, data.* and eval.* options; the rest come from the checkpoint.
+Writes finetuned.pt, summary.json, summary.md and metrics.jsonl into --out."""
+
+    out: str = option("", "output directory ('': <run>/finetune_ood beside the checkpoint's run)")
+
+
+@dataclass
+class RobustnessOptions(RobustnessSpec, OnDevice):
+    """--set accepts data.* and eval.* options and train.progress; the rest come from the checkpoints."""
+
+    runs: list = option([], "run directory with checkpoints/ (repeatable: standard and anchored runs on one chart)",
+                        flag="--run", metavar="RUN_DIR", required=True)
+    plot: str = option("", "chart path ('': robustness_over_training.png in the run, or in the runs' parent)")
+
+
+@dataclass
+class LinearProbeOptions(ProbeSpec, FromCheckpoint):
+    """--set accepts data.* options (e.g. data.workers) and train.progress; the rest come from the checkpoint."""
+
+
+@dataclass
+class ReportOptions:
+    runs: list = option([], "run directories; deltas are against the first standard run", positional=True, metavar="RUN_DIR")
+    out: str = option("", "output directory ('': report/ in the runs' common parent, or in the run)")
+    title: str = option("fastanchor report", "page title")
+
+
+@dataclass
+class RecipesOptions:
+    readme: str = option("", "rewrite the generated recipe block in this file (docs/recipes.md) instead of printing",
+                         metavar="FILE.md")
+
+
+@dataclass
+class DemoOptions(Recipe):
+    out_dir: str = option("runs", "where the demo's run directory is created")
