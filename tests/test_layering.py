@@ -7,7 +7,8 @@ The layers, bottom first (a module may import its own layer and the layers below
   kernels     fastanchor/kernels/
   pipeline    fastanchor/pipeline/
   trainer     fastanchor/trainer/, in parts that import only down too, bottom first:
-                models  trainer/models/ (the model factory, first-layer surgery, fastanchor's own networks)
+                models  trainer/models/ (factory.py: the model factory on surgery.py: first-layer surgery; one
+                        file per network of fastanchor's own, importing neither)
                 core    the modules directly in trainer/ (config, build, the loop, checkpoints, metrics, inference)
                 safety  trainer/safety/ (evaluate, robustness, linear probe, SFT, and the figures they draw)
                 report  trainer/report/ (`fastanchor report`)
@@ -237,6 +238,34 @@ def test_trainer_parts_only_import_down():
     assert not problems, ("trainer imports that point up (allowed: " + " <- ".join(TRAINER_PARTS) + "):\n"
                           + "\n".join(problems))
 
+
+MODELS = PACKAGE + ".trainer.models"
+MODEL_ROOMS = {MODELS + ".surgery": set(), MODELS + ".factory": {MODELS + ".surgery"}}  # every other file: a network
+
+
+def models_room_problems(imports: list[Import]) -> list[str]:
+    """Imports inside trainer/models/ that cross its rooms: surgery.py stands alone, factory.py builds on it, and
+    the networks (every other module but the package's own __init__) import neither."""
+    problems = []
+    for i in imports:
+        if not i.importer.startswith(MODELS + ".") or not i.imported.startswith(MODELS + "."):
+            continue
+        allowed = MODEL_ROOMS.get(i.importer)
+        if allowed is None and i.imported not in MODEL_ROOMS or allowed is not None and i.imported in allowed:
+            continue
+        problems.append(f"{i.importer} imports {i.imported} at line {i.line}")
+    return problems
+
+
+def test_model_rooms_stay_apart():
+    assert models_room_problems([Import(MODELS + ".tiny_resnet", MODELS + ".factory", 9, False),
+                                 Import(MODELS + ".surgery", MODELS + ".classifier_head", 4, False),
+                                 Import(MODELS + ".factory", MODELS + ".surgery", 5, False),
+                                 Import(MODELS + ".convnet5", MODELS + ".timm_registry", 6, False)]) == [
+        f"{MODELS}.tiny_resnet imports {MODELS}.factory at line 9", f"{MODELS}.surgery imports {MODELS}.classifier_head at line 4"]
+    problems = models_room_problems(all_imports())
+    assert not problems, "trainer/models/ imports across its rooms (surgery <- factory; networks apart):\n" + \
+        "\n".join(problems)
 
 def private_imports(modules: dict[str, Path]) -> list[str]:
     """`from fastanchor.x import _name` in one module of another: a private name used across modules."""
