@@ -37,7 +37,7 @@ from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_availa
 from fastanchor.benchmarks.options import ImageDataOptions, LoaderOptions, by_device, names_list
 from fastanchor.benchmarks.results import opencv_jpeg
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 
 UNIT = "images/s"
 
@@ -76,7 +76,7 @@ def register_loader(entry: LoaderEntry) -> None:
 
 def _ffcv(request: LoaderRequest):
     try:
-        from fastanchor.pipeline.ffcv_loader import FFCVLoader
+        from fastanchor.pipeline.loaders.ffcv import FFCVLoader
     except ImportError as error:
         raise LoaderUnavailable(f"FFCV is not importable ({error})") from None
     return FFCVLoader(request.beton(), batch_size=request.batch_size, train=True, image_size=request.image_size,
@@ -85,7 +85,7 @@ def _ffcv(request: LoaderRequest):
 
 
 def _torchvision(request: LoaderRequest):
-    from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, train_transform
+    from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, train_transform
 
     dataset = DecodedImages(request.index, train_transform(request.image_size, request.min_scale))
     return TorchvisionLoader(dataset, batch_size=request.batch_size, shuffle=True, drop_last=True,
@@ -94,10 +94,10 @@ def _torchvision(request: LoaderRequest):
 
 def _dali(request: LoaderRequest):
     try:
-        from fastanchor.pipeline.dali_loader import DALILoader
+        from fastanchor.pipeline.loaders.dali import DALILoader
     except ModuleNotFoundError as error:
-        if error.name == "fastanchor.pipeline.dali_loader":
-            raise LoaderUnavailable("pipeline/dali_loader.py is not in this checkout") from None
+        if error.name == "fastanchor.pipeline.loaders.dali":
+            raise LoaderUnavailable("pipeline/loaders/dali.py is not in this checkout") from None
         raise LoaderUnavailable(f"DALI is not importable ({error})") from None
     except ImportError as error:
         raise LoaderUnavailable(f"DALI is not importable ({error})") from None
@@ -142,7 +142,8 @@ def subset_index(index: ImageFolderIndex, images: int, seed: int) -> ImageFolder
 def bench_beton(index: ImageFolderIndex, cache: Path, *, quality: int, max_resolution: int, workers: int,
                 progress: bool) -> Path:
     """The .beton of exactly these samples, reused when one with the same labels exists."""
-    from fastanchor.pipeline.ffcv_loader import inspect_beton, write_beton
+    from fastanchor.pipeline.beton.inspect import inspect_beton
+    from fastanchor.pipeline.beton.write import write_beton
 
     digest = hashlib.sha256("\n".join(path for path, _ in index.samples).encode()).hexdigest()[:10]
     path = cache / f"{index.root.name}-{len(index)}-{digest}-q{quality}-r{max_resolution}.beton"
@@ -163,7 +164,7 @@ def beton_jpegs(path: Path) -> list[bytes]:
     """The JPEG records of a .beton, as FFCV's decoder reads them (raw records are not decoded)."""
     from ffcv.reader import Reader
 
-    from fastanchor.pipeline.ffcv_loader import JPEG_MODE
+    from fastanchor.pipeline.beton.inspect import JPEG_MODE
 
     reader = Reader(str(path))
     modes = reader.metadata["f0"]["mode"]

@@ -18,9 +18,9 @@ from PIL import Image
 
 from conftest import run_main, tiny_overrides
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.dali_loader import DALILoader, shard_bounds
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.loaders.dali import DALILoader, shard_bounds
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 
 SIZE = 32  # the tiny dataset's image size (tests/conftest.py TINY_SPEC)
 

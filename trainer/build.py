@@ -32,14 +32,14 @@ from torch.utils.data import Dataset
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
-from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
-from fastanchor.pipeline.beton_manifest import is_current, recorded_index, write_manifest
-from fastanchor.pipeline.cifar import ensure_cifar_tree
-from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_LEVELS
-from fastanchor.pipeline.dali_loader import DALILoader
-from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
-from fastanchor.pipeline.erasing import RandomErasing
-from fastanchor.pipeline.eval_sets import (
+from fastanchor.pipeline.augment.augmix import AugmentChain, DeviceAugMix
+from fastanchor.pipeline.beton.manifest import is_current, recorded_index, write_manifest
+from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
+from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
+from fastanchor.pipeline.loaders.dali import DALILoader
+from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
+from fastanchor.pipeline.augment.erasing import RandomErasing
+from fastanchor.pipeline.shifts.eval_sets import (
     EvalSet,
     cifar_c_sets,
     corruption_tree_sets,
@@ -48,18 +48,18 @@ from fastanchor.pipeline.eval_sets import (
     limit,
     parse_named_path,
 )
-from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.label_noise import LabelNoise, flip_labels, relabelled
-from fastanchor.pipeline.mixing import BatchMixer
-from fastanchor.pipeline.pixmix import DevicePixMix
+from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.beton.write import write_beton
+from fastanchor.pipeline.datasets.imagefolder import load_rgb, ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.augment.label_noise import LabelNoise, flip_labels, relabelled
+from fastanchor.pipeline.augment.mixing import BatchMixer
+from fastanchor.pipeline.augment.pixmix import DevicePixMix
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import (
+from fastanchor.pipeline.loaders.torchvision import (
     Corruption,
     DecodedImages,
     TorchvisionLoader,
     eval_transform,
-    load_rgb,
     train_transform,
 )
 from fastanchor.trainer.config import Config, DataConfig
@@ -142,7 +142,7 @@ def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
 
 def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = True) -> Path:
     """The split's .beton, written (verified) with its manifest when missing, or when it was not
-    written from exactly `index` or the tree changed since (see pipeline/beton_manifest.py)."""
+    written from exactly `index` or the tree changed since (see pipeline/beton/manifest.py)."""
     path = beton_path(data, index)
     if is_current(path, index):
         return path
@@ -157,7 +157,7 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
                  rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True,
                  labels: np.ndarray | None = None):
     """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
-    `policy` is augment.auto_augment (see pipeline.data.check_loader_supports), `hflip` augment.hflip
+    `policy` is augment.auto_augment (see pipeline.loaders.support.check_loader_supports), `hflip` augment.hflip
     (random horizontal flips, or none); `progress`: the .beton writer's bar, if it writes; `labels`: the
     label of each sample of `index` to train with instead of its own (data.label_noise), for every loader."""
     if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id

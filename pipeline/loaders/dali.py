@@ -2,7 +2,7 @@
 on CUDA, by nvJPEG (`device="mixed"`), with TorchvisionLoader's batch contract.
 
 `DALILoader` iterates (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on the training
-device. The file list and the labels are the ImageFolder index's (pipeline/imagefolder.py), passed
+device. The file list and the labels are the ImageFolder index's (pipeline/datasets/imagefolder.py), passed
 to DALI explicitly, so DALI's labels are the index's class numbers by construction. The batches are
 DALI's own output buffers, viewed by torch through DLPack (no copy): DALI's default executor
 (`exec_dynamic`) hands each output over for good, so a batch stays valid for as long as the caller
@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.torchvision_loader import load_rgb
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb, scan_image_folder
 
 _ORDER_TAG, _AUGMENT_TAG = 0x44414C49, 0x41554745  # keep the order and augmentation streams apart
 

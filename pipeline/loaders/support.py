@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.torchvision_loader import TorchvisionLoader
+from fastanchor.pipeline.loaders.torchvision import TorchvisionLoader
 
 # What each loader can do per image besides its crop and flip (checked once, at start-up).
 _LOADER_POLICIES = {

@@ -12,13 +12,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
-from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.corruptions import corrupt_image
-from fastanchor.pipeline.imagefolder import ImageFolderIndex
+from fastanchor.errors import ConfigError
+from fastanchor.pipeline.shifts.corruptions import corrupt_image
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,6 @@ def eval_transform(image_size: int, crop_ratio: float) -> v2.Transform:
         v2.CenterCrop(image_size),
         v2.PILToTensor(),
     ])
-
-
-def load_rgb(path: str) -> Image.Image:
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError) as error:
-        raise DataError(f"cannot decode image '{path}': {error}") from None
 
 
 class DecodedImages(Dataset):
