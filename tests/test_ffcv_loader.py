@@ -308,7 +308,7 @@ def test_distributed_needs_process_group(betons):
     paths, _ = betons
     with pytest.raises(ConfigError, match="process group"):
         FFCVLoader(paths["val"], batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
-                   drop_last=False, distributed=True)
+                   drop_last=False, rank=0, world_size=2)
     with pytest.raises(ConfigError, match="order"):
         FFCVLoader(paths["val"], batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
                    drop_last=False, order="shuffled")

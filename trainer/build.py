@@ -20,7 +20,6 @@ process settings (threads, determinism, seeds).
 from __future__ import annotations
 
 import fnmatch
-import functools
 import os
 import random
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from fastanchor.pipeline.augment.augmix import AugmentChain, DeviceAugMix
 from fastanchor.pipeline.beton.manifest import is_current, recorded_index, write_manifest
 from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
 from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
-from fastanchor.pipeline.loaders.dali import DALILoader
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
 from fastanchor.pipeline.augment.erasing import RandomErasing
 from fastanchor.pipeline.shifts.eval_sets import (
@@ -48,7 +46,8 @@ from fastanchor.pipeline.shifts.eval_sets import (
     limit,
     parse_named_path,
 )
-from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.loaders.registry import make as make_loader
+from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
 from fastanchor.pipeline.beton.write import write_beton
 from fastanchor.pipeline.datasets.imagefolder import load_rgb, ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.augment.label_noise import LabelNoise, flip_labels, relabelled
@@ -60,7 +59,6 @@ from fastanchor.pipeline.loaders.torchvision import (
     DecodedImages,
     TorchvisionLoader,
     eval_transform,
-    train_transform,
 )
 from fastanchor.trainer.config import Config, DataConfig
 from fastanchor.trainer.distributed import Processes, main_first
@@ -153,51 +151,43 @@ def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = Tru
     return path
 
 
+def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: int = 0, rank: int = 0,
+                world_size: int = 1, policy: str = "none", hflip: bool = True) -> LoaderSpec:
+    """The LoaderSpec of data.* for the training loader (`train`) or the evaluation loader."""
+    if not train:
+        return LoaderSpec(batch_size=data.eval_batch_size, train=False, image_size=data.image_size, workers=data.workers,
+                          device=device, drop_last=False, crop_ratio=data.crop_ratio, rank=rank, world_size=world_size)
+    return LoaderSpec(batch_size=data.batch_size, train=True, image_size=data.image_size, workers=data.workers,
+                      device=device, drop_last=data.drop_last, seed=seed, min_scale=data.min_scale, crop=data.train_crop,
+                      padding=data.crop_padding, hflip=hflip, policy=policy, rank=rank, world_size=world_size)
+
+
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
                  rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True,
-                 labels: np.ndarray | None = None):
+                 labels: np.ndarray | None = None) -> Loader:
     """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
-    `policy` is augment.auto_augment (see pipeline.loaders.support.check_loader_supports), `hflip` augment.hflip
+    `policy` is augment.auto_augment (see pipeline.loaders.registry.check_loader_supports), `hflip` augment.hflip
     (random horizontal flips, or none); `progress`: the .beton writer's bar, if it writes; `labels`: the
     label of each sample of `index` to train with instead of its own (data.label_noise), for every loader."""
+    spec = loader_spec(data, device, train=True, seed=seed, rank=rank, world_size=world_size, policy=policy, hflip=hflip)
     if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id
-        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.batch_size, train=True, image_size=data.image_size,
-                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding, hflip=hflip,
-                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
-                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1, labels=labels)
-    if labels is not None:
-        index = relabelled(index, labels)
-    if data.loader == "dali":
-        return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
-                          crop=data.train_crop, padding=data.crop_padding, policy=policy, hflip=hflip,
-                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
-                          shard_id=rank, num_shards=world_size)
-    transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
-                                           padding=data.crop_padding, policy=policy, hflip=hflip)
-    dataset = DecodedImages(index, transform_for_size(data.image_size))
-    return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
-                             workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,
-                             rank=rank, world_size=world_size)
+        return make_loader("ffcv", ensure_beton(data, index, progress), spec, order=data.ffcv_order,
+                           os_cache=data.ffcv_os_cache, labels=labels)
+    return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec)
 
 
 def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
-                *, rank: int = 0, world_size: int = 1, progress: bool = True):
+                *, rank: int = 0, world_size: int = 1, progress: bool = True) -> Loader:
     """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path).
 
-    With `world_size` > 1 the torchvision loader reads every image exactly once over all processes
+    With `world_size` > 1 the torchvision and DALI loaders read every image exactly once over all processes
     (sum the counts); FFCV's distributed mode pads shards with repeats, so there every process reads all."""
-    if data.loader == "ffcv" and corruption is None:
-        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
-                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
-                          os_cache=data.ffcv_os_cache)
-    if data.loader == "dali" and corruption is None:
-        return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
-                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
-                          shard_id=rank, num_shards=world_size)
-    dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
-    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=data.workers, device=device, rank=rank, world_size=world_size)
-
+    spec = loader_spec(data, device, train=False, rank=rank, world_size=world_size)
+    if corruption is not None:
+        return make_loader("torchvision", index, spec, corruption=corruption)
+    if data.loader == "ffcv":
+        return make_loader("ffcv", ensure_beton(data, index, progress), spec, os_cache=data.ffcv_os_cache)
+    return make_loader(data.loader, index, spec)
 
 def reference_indices(population: int, count: int, seed: int) -> list[int]:
     """`count` positions out of range(`population`) drawn without replacement (all of them, permuted, when

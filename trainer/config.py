@@ -514,7 +514,7 @@ def validate(config: Config) -> None:
 
         check_blurpool(config.model.name)
     # pipeline is imported late (here and below): it imports torch, which the CLI's --help does not need
-    from fastanchor.pipeline.loaders.support import check_loader_supports
+    from fastanchor.pipeline.loaders.registry import check_loader_supports
 
     check_loader_supports(config.data.loader, config.augment.auto_augment)
     _check(e.blt_candidates >= 1, f"eval.blt_candidates = {e.blt_candidates}: expected >= 1")

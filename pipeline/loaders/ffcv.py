@@ -19,6 +19,7 @@ What FFCV does differently from the torchvision baseline (see also FFCVLoader's 
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 import weakref
@@ -28,9 +29,11 @@ import numpy as np
 import torch
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.beton.inspect import IMAGE_FIELD, LABEL_FIELD, MAX_SIDE, inspect_beton
+from fastanchor.pipeline.beton.inspect import IMAGE_FIELD, LABEL_FIELD, inspect_beton
+from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size
 
 ORDERS = ("sequential", "random", "quasi_random")
+POLICIES = ("none",)  # FFCV's pipeline only crops and flips
 
 
 def _order_seed(seed: int) -> int:
@@ -57,7 +60,7 @@ class FFCVLoader:
 
     Order: "sequential" (default for eval), "random", "quasi_random" (default for train; FFCV's
     page-aware shuffle, useful when os_cache=False and the file does not fit in RAM; it works with
-    os_cache=True too). FFCV has no QUASI_RANDOM for distributed=True, where "random" is used
+    os_cache=True too). FFCV has no QUASI_RANDOM in distributed mode, where "random" is used
     instead (`order_note` says so). The order of an epoch is a function of (seed, epoch) alone:
     `set_epoch(epoch)` before iterating (without it, each iteration takes the next epoch, as in
     FFCV). Crops and flips are not reproducible: FFCV draws them from numba's per-thread
@@ -68,8 +71,10 @@ class FFCVLoader:
     torch's intra-op thread count (process-wide) to this number; it is restored after construction
     and after the first batch of each epoch.
 
-    `distributed=True` shards the order with torch's DistributedSampler (needs an initialized
-    torch.distributed process group; like the sampler, pads the last shard by repeating samples).
+    `world_size` > 1 shards the order with torch's DistributedSampler (FFCV's distributed mode: needs an
+    initialized torch.distributed process group, whose rank is `rank`; like the sampler, pads the last shard by
+    repeating samples, so an evaluation shard cannot be summed: `shards_evaluation` is False and `from_spec`
+    builds evaluation loaders unsharded).
 
     `set_image_size(s)` changes the output size from the next epoch on (progressive resizing, as
     ffcv-imagenet does by setting the decoder's `output_size`; the compiled pipeline is reused).
@@ -97,7 +102,8 @@ class FFCVLoader:
         drop_last: bool,
         order: str | None = None,
         os_cache: bool = True,
-        distributed: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
         batches_ahead: int = 3,
         labels: np.ndarray | None = None,
     ):
@@ -107,13 +113,10 @@ class FFCVLoader:
         from ffcv.loader import Loader, OrderOption
         from ffcv.transforms import RandomHorizontalFlip, RandomTranslate, Squeeze, ToTensor
 
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ConfigError(f"batch_size = {batch_size!r}: expected a positive integer")
-        _check_image_size(image_size)
-        if not 0.0 < crop_ratio <= 1.0:
-            raise ConfigError(f"crop_ratio = {crop_ratio!r}: expected a number in (0, 1]")
-        if not 0.0 < min_scale <= 1.0:
-            raise ConfigError(f"min_scale = {min_scale!r}: expected a number in (0, 1]")
+        self.spec = LoaderSpec(batch_size=batch_size, train=train, image_size=image_size, workers=workers, device=device,
+                               drop_last=drop_last, seed=seed, crop_ratio=crop_ratio, min_scale=min_scale, crop=crop,
+                               padding=padding, hflip=hflip, rank=rank, world_size=world_size)
+        distributed = world_size > 1
         order = order if order is not None else ("quasi_random" if train else "sequential")
         if order not in ORDERS:
             raise ConfigError(f"order = {order!r}: expected one of {', '.join(ORDERS)}")
@@ -122,7 +125,8 @@ class FFCVLoader:
             order = "random"
             self.order_note = "FFCV has no quasi_random order in distributed mode: using random"
         if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise ConfigError("distributed=True needs an initialized torch.distributed process group")
+            raise ConfigError(f"world_size = {world_size}: FFCV's distributed mode needs an initialized "
+                              "torch.distributed process group")
 
         self.path = Path(path)
         self.info = inspect_beton(self.path)
@@ -137,10 +141,6 @@ class FFCVLoader:
         self.order = order
         self.seed = seed
         self.threads = max(1, min(int(workers), numba.config.NUMBA_NUM_THREADS))
-        if crop not in ("random_resized", "padded"):
-            raise ConfigError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
-        if not isinstance(hflip, bool):
-            raise ConfigError(f"hflip = {hflip!r}: expected True or False")
         flip = [RandomHorizontalFlip()] if hflip else []  # FFCV's flips are not seeded: nothing to keep in step
         if train and crop == "padded":  # CIFAR's: the whole image at image_size, flipped, shifted in a black frame
             self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=1.0)
@@ -192,7 +192,7 @@ class FFCVLoader:
 
     def set_image_size(self, image_size: int) -> None:
         """Output s x s images from the next iteration on (an epoch in progress keeps its size)."""
-        _check_image_size(image_size)
+        check_image_size(image_size)
         self.decoder.output_size = (image_size, image_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -202,6 +202,16 @@ class FFCVLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def iter_from(self, first_batch: int):
+        """The current epoch from batch `first_batch` on: the first batches are decoded and dropped (the order of
+        an epoch is a function of (seed, epoch), so the rest are the batches of an uninterrupted epoch)."""
+        return itertools.islice(iter(self), first_batch, None)
+
+    @property
+    def shards_evaluation(self) -> bool:
+        """False: FFCV pads its shards with repeats, so for evaluation every process reads every sample."""
+        return False
 
     def _restore_pages(self) -> None:
         if self._pristine_pages is not None:
@@ -325,6 +335,15 @@ def _restore_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _check_image_size(image_size) -> None:
-    if not (isinstance(image_size, int) and not isinstance(image_size, bool) and 1 <= image_size <= MAX_SIDE):
-        raise ConfigError(f"image_size = {image_size!r}: expected a positive integer (pixels)")
+def from_spec(path: str | Path, spec: LoaderSpec, *, order: str | None = None, os_cache: bool = True,
+              batches_ahead: int = 3, labels: np.ndarray | None = None) -> FFCVLoader:
+    """FFCV's loader over the .beton at `path` with `spec`'s settings (an evaluation loader reads every sample in
+    every process); `order`, `os_cache`, `batches_ahead`: FFCV's; `labels`: see FFCVLoader."""
+    if spec.policy not in POLICIES:
+        raise ConfigError(f"policy = {spec.policy!r}: FFCV's pipeline only crops and flips")
+    world_size, rank = (spec.world_size, spec.rank) if spec.train else (1, 0)
+    return FFCVLoader(path, batch_size=spec.batch_size, train=spec.train, image_size=spec.image_size,
+                      crop_ratio=spec.crop_ratio, min_scale=spec.min_scale, crop=spec.crop, padding=spec.padding,
+                      hflip=spec.hflip, workers=spec.workers, device=spec.device, seed=spec.seed, drop_last=spec.drop_last,
+                      order=order, os_cache=os_cache, rank=rank, world_size=world_size, batches_ahead=batches_ahead,
+                      labels=labels)
