@@ -29,7 +29,8 @@ def shipped_files() -> set[str]:
     """What the wheel must hold, from the checkout: every module, every recipe, the data files."""
     files = {p for folder in PACKAGES for p in (ROOT / folder).glob("*.py")}
     files |= set((ROOT / "configs").rglob("*.yaml")) | {ROOT / name for name in DATA_FILES}
-    files |= set((ROOT / "trainer" / "safety" / "testbeds").glob("*.json"))  # testbed fits shipped (none yet)
+    testbeds = ROOT / "trainer" / "safety" / "testbeds"  # testbed fits shipped, with their per-example correctness
+    files |= set(testbeds.glob("*.json")) | set(testbeds.glob("*.npz"))
     return {"fastanchor/" + p.relative_to(ROOT).as_posix() for p in files}
 
 
