@@ -14,7 +14,7 @@ from fastanchor.pipeline.loaders import registry
 from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
 from fastanchor.pipeline.loaders.support import evaluation_is_sharded, iterate_from
 from fastanchor.trainer import build
-from fastanchor.trainer.config import load_config
+from fastanchor.trainer.config import Config, load_config
 
 GOOD = dict(batch_size=4, train=True, image_size=16, workers=0, device="cpu", drop_last=False)
 
@@ -97,3 +97,29 @@ def test_the_builder_and_the_loader_benchmark_build_through_the_registry(tiny_da
     assert len(pairs) == len(trained) == len(index) // 8
     for (bench_images, bench_labels), (train_images, train_labels) in pairs:
         assert torch.equal(bench_images, train_images) and torch.equal(bench_labels, train_labels)
+
+
+def test_bench_step_builds_its_step_and_stage_from_the_recipe():
+    """`bench step --recipe` (and `bench e2e`, which uses the same TrainingSetup) builds model, optimiser, step and
+    stage with trainer/build.py from the recipe: its optimiser (demo: AdamW, not the default SGD), mixing, label
+    smoothing, batch augmentations and masking level reach what is timed."""
+    from fastanchor.benchmarks import end_to_end, train_step
+    from fastanchor.benchmarks.options import StepOptions
+
+    assert Config().optim.name == "sgd" and load_config("demo").optim.name == "adamw"
+    planned = train_step.plan(StepOptions(recipe="demo", device="cpu"), torch.device("cpu"))
+    assert planned.config.optim.name == "adamw" and planned.models == [train_step.model_at_resolution(planned.config)]
+    config = load_config("demo", ["augment.augmix=true", "augment.mixup_alpha=0.2", "optim.label_smoothing=0.1",
+                                  "optim.grad_clip=1.5"])
+    setup = train_step.TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
+                                     channels_last=False, compile=False, num_classes=4, seed=0, config=config)
+    step = setup.step
+    assert isinstance(step.optimizer, torch.optim.AdamW) and step.optimizer.param_groups[0]["lr"] == train_step.BENCH_LR
+    assert (step.mixer.mixup_alpha, step.label_smoothing, step.grad_clip) == (0.2, 0.1, 1.5)
+    stage = setup.stage(1.0, 3, torch.zeros(4, 3, 16, 16, dtype=torch.uint8))
+    assert stage.spec.mask_level == config.anchor.mask_level == "sample" and stage.spec.alpha == 1.0
+    assert list(stage.augment.steps) == ["augmix"]
+    batches = train_step.synthetic_batches(1, 4, 16, 4, torch.device("cpu"), 0)
+    measured = train_step.step_case("demo", setup, stage, batches, 1).run()
+    assert measured.items == 4 and measured.seconds > 0
+    assert end_to_end.TrainingSetup is train_step.TrainingSetup  # e2e times the same setup

@@ -403,6 +403,37 @@ def training_label_noise(data: DataConfig, index: ImageFolderIndex, seed: int) -
     return flip_labels([label for _, label in index.samples], len(index.classes), data.label_noise, seed)
 
 
+def augment_seed(seed: int, rank: int) -> int:
+    """The seed of the batch augmentations and mixing of process `rank` (each rank draws its own)."""
+    return int(np.random.SeedSequence([seed, rank, 0x415547]).generate_state(1)[0])
+
+
+def make_stage(config: Config, loader, device: torch.device, *, fixed_references: torch.Tensor | None = None,
+               rank: int = 0) -> AnchoringStage:
+    """The on-device stage of `config` over `loader`: augment.* batch augmentations, then anchor.* pairing and
+    masking, in train.amp's input dtype (`fixed_references`: the images of anchor.references = fixed)."""
+    a, t = config.anchor, config.train
+    return AnchoringStage(
+        loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
+        references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_references),
+        device=device, dtype=amp_dtype(t.amp, device) or torch.float32, seed=t.seed,  # the same seed on every rank: batch masks agree
+        augment=device_augmentations(config.augment, augment_seed(t.seed, rank)))
+
+
+def make_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
+              processes: Processes | None = None, forward: torch.nn.Module | None = None) -> TrainStep:
+    """The training step of `config`: train.amp's autocast, augment.* mixing, optim.* clipping, EMA and label
+    smoothing, anchor.* targets and batch-norm handling (`forward`: e.g. the compiled model)."""
+    a, g, o, t = config.anchor, config.augment, config.optim, config.train
+    return TrainStep(
+        model, optimizer, device=device, autocast_dtype=amp_dtype(t.amp, device), forward=forward,
+        mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob,
+                         seed=augment_seed(t.seed, processes.rank if processes else 0)),
+        grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
+        unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
+        skip_nonfinite=t.nonfinite == "skip", processes=processes)
+
+
 def build_training(config: Config, processes: Processes, device: torch.device, point: ResumePoint | None) -> Training:
     """The data, loaders, references, model, optimiser, schedule, anchoring stage and step of `config`
     (`point`: the checkpoint a resumed run goes on from; its inference references are kept)."""
@@ -442,19 +473,8 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
         freeze_backbone(model)
     optimizer = make_optimizer(model, config, processes.world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step / steps_per_epoch, t.epochs, o))
-    autocast_dtype = amp_dtype(t.amp, device)
-    augment_seed = int(np.random.SeedSequence([t.seed, processes.rank, 0x415547]).generate_state(1)[0])  # per rank
-    stage = AnchoringStage(
-        loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
-        references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
-        device=device, dtype=autocast_dtype or torch.float32, seed=t.seed,  # the same seed on every rank: batch masks agree
-        augment=device_augmentations(g, augment_seed))
-    step = TrainStep(
-        model, optimizer, device=device, autocast_dtype=autocast_dtype,
-        mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed),
-        grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
-        unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
-        skip_nonfinite=t.nonfinite == "skip", processes=processes)
+    stage = make_stage(config, loader, device, fixed_references=fixed_train_refs, rank=processes.rank)
+    step = make_step(config, model, optimizer, device, processes=processes)
     return Training(train_index.classes, loader, val_loader, steps_per_epoch, FixedReferenceSet(inference.images.to(device)),
                     inference.origin, stage, step, scheduler, LossWindow(device),
                     None if noise is None else noise.record(train_index))
