@@ -32,7 +32,8 @@ from torch.utils.data import Dataset
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
 from fastanchor.pipeline.augment.augmix import AugmentChain, DeviceAugMix
-from fastanchor.pipeline.beton.manifest import is_current, recorded_index, write_manifest
+from fastanchor.pipeline.beton.cache import ensure_beton as cached_beton
+from fastanchor.pipeline.beton.manifest import recorded_index
 from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
 from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
@@ -48,7 +49,6 @@ from fastanchor.pipeline.shifts.eval_sets import (
 )
 from fastanchor.pipeline.loaders.registry import make as make_loader
 from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
-from fastanchor.pipeline.beton.write import write_beton
 from fastanchor.pipeline.datasets.imagefolder import load_rgb, ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.augment.label_noise import LabelNoise, flip_labels, relabelled
 from fastanchor.pipeline.augment.mixing import BatchMixer
@@ -140,15 +140,10 @@ def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
 
 def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = True) -> Path:
     """The split's .beton, written (verified) with its manifest when missing, or when it was not
-    written from exactly `index` or the tree changed since (see pipeline/beton/manifest.py)."""
-    path = beton_path(data, index)
-    if is_current(path, index):
-        return path
-    write_beton(index, path, max_resolution=data.ffcv_max_resolution or None, jpeg_quality=data.ffcv_jpeg_quality,
-                compress_probability=data.ffcv_compress_probability,
-                workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
-    write_manifest(path, index)
-    return path
+    written from exactly `index` or the tree changed since (see pipeline/beton/cache.py)."""
+    return cached_beton(index, beton_path(data, index), max_resolution=data.ffcv_max_resolution or None,
+                        jpeg_quality=data.ffcv_jpeg_quality, compress_probability=data.ffcv_compress_probability,
+                        workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
 
 
 def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: int = 0, rank: int = 0,
