@@ -30,7 +30,7 @@ BENCHMARKS = {
 
 
 def run_data(options: opts.DataOptions, command: str) -> None:
-    from fastanchor.pipeline.imagenet_shaped import ImageNetShapedSpec, generate_imagenet_shaped
+    from fastanchor.pipeline.datasets.imagenet_shaped import ImageNetShapedSpec, generate_imagenet_shaped
 
     options.validate()
     spec = ImageNetShapedSpec(seed=options.seed, num_classes=options.num_classes,

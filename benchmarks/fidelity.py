@@ -10,7 +10,7 @@ Arms, each trained per seed on the same decoded data, model and schedule:
     control           the control: the paper's Figure 3 with the recipe's alpha
 
 Every arm is measured by one function (`evaluate_arm`) over the same decoded uint8 tensors: ID
-top-1, smECE (trainer/metrics.py), top-1 per corruption and severity (pipeline/corruptions.py,
+top-1, smECE (trainer/metrics.py), top-1 per corruption and severity (pipeline/shifts/corruptions.py,
 seeded as `fastanchor evaluate` seeds them), energy-score AUROC and FPR95 on the OOD split when the
 data has one, training seconds. Anchored arms predict with one random reference per image (the
 paper's default protocol) from their inference reference set.
@@ -43,9 +43,9 @@ from fastanchor.benchmarks.results import device_tag, environment, git_commit
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.progress import progress_bar
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import Corruption, DecodedImages, eval_transform
+from fastanchor.pipeline.loaders.torchvision import Corruption, DecodedImages, eval_transform
 from fastanchor.trainer.build import ensure_dataset, load_for_inference, split_index
 from fastanchor.trainer.config import Config, set_value, with_overrides
 from fastanchor.trainer.flags import DEFAULT_RECIPE

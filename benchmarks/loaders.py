@@ -37,7 +37,9 @@ from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_availa
 from fastanchor.benchmarks.options import ImageDataOptions, LoaderOptions, by_device, names_list
 from fastanchor.benchmarks.results import opencv_jpeg
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.loaders import registry
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 
 UNIT = "images/s"
 
@@ -74,39 +76,29 @@ def register_loader(entry: LoaderEntry) -> None:
     LOADERS[entry.name] = entry
 
 
-def _ffcv(request: LoaderRequest):
-    try:
-        from fastanchor.pipeline.ffcv_loader import FFCVLoader
-    except ImportError as error:
-        raise LoaderUnavailable(f"FFCV is not importable ({error})") from None
-    return FFCVLoader(request.beton(), batch_size=request.batch_size, train=True, image_size=request.image_size,
-                      min_scale=request.min_scale, workers=request.workers, device=request.device, seed=request.seed,
-                      drop_last=True)
+def loader_spec(request: LoaderRequest) -> LoaderSpec:
+    """The LoaderSpec training would use for these settings: a training loader (random-resized crop, flip,
+    drop last)."""
+    return LoaderSpec(batch_size=request.batch_size, train=True, image_size=request.image_size, workers=request.workers,
+                      device=request.device, drop_last=True, seed=request.seed, min_scale=request.min_scale)
 
 
-def _torchvision(request: LoaderRequest):
-    from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, train_transform
+def _from_registry(name: str, library: str) -> Callable[[LoaderRequest], Iterable]:
+    """Build loader `name` as training does: the pipeline's registry (pipeline/loaders/registry.py) with a LoaderSpec."""
 
-    dataset = DecodedImages(request.index, train_transform(request.image_size, request.min_scale))
-    return TorchvisionLoader(dataset, batch_size=request.batch_size, shuffle=True, drop_last=True,
-                             workers=request.workers, device=request.device, seed=request.seed)
+    def make(request: LoaderRequest):
+        try:
+            source = request.beton() if name == "ffcv" else request.index
+            return registry.make(name, source, loader_spec(request))
+        except ImportError as error:
+            raise LoaderUnavailable(f"{library} is not importable ({error})") from None
+        except RuntimeError as error:  # e.g. a DALI build without this device's backend
+            if name != "dali":
+                raise
+            raise LoaderUnavailable(f"{library} cannot run here ({type(error).__name__}: "
+                                    f"{str(error).splitlines()[0]})") from None
 
-
-def _dali(request: LoaderRequest):
-    try:
-        from fastanchor.pipeline.dali_loader import DALILoader
-    except ModuleNotFoundError as error:
-        if error.name == "fastanchor.pipeline.dali_loader":
-            raise LoaderUnavailable("pipeline/dali_loader.py is not in this checkout") from None
-        raise LoaderUnavailable(f"DALI is not importable ({error})") from None
-    except ImportError as error:
-        raise LoaderUnavailable(f"DALI is not importable ({error})") from None
-    try:
-        return DALILoader(request.index, batch_size=request.batch_size, train=True, image_size=request.image_size,
-                          min_scale=request.min_scale, workers=request.workers, device=request.device,
-                          seed=request.seed, drop_last=True, shard_id=0, num_shards=1)
-    except (ImportError, RuntimeError) as error:  # e.g. a DALI build without this device's backend
-        raise LoaderUnavailable(f"DALI cannot run here ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+    return make
 
 
 def _nvjpeg(request: LoaderRequest):
@@ -118,11 +110,12 @@ def _nvjpeg(request: LoaderRequest):
                         min_scale=request.min_scale, workers=request.workers, device=request.device, seed=request.seed)
 
 
-register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _ffcv, "beton", lambda d: True))
+register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _from_registry("ffcv", "FFCV"),
+                            "beton", lambda d: True))
 register_loader(LoaderEntry("torchvision", "torch DataLoader over the ImageFolder, PIL decode in worker processes",
-                            _torchvision, "files", lambda d: True))
-register_loader(LoaderEntry("dali", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)", _dali, "files",
-                            lambda d: d.type != "cuda"))
+                            _from_registry("torchvision", "torchvision"), "files", lambda d: True))
+register_loader(LoaderEntry("dali", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",
+                            _from_registry("dali", "DALI"), "files", lambda d: d.type != "cuda"))
 register_loader(LoaderEntry("nvjpeg", "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)",
                             _nvjpeg, "files", lambda d: False))
 
@@ -142,7 +135,8 @@ def subset_index(index: ImageFolderIndex, images: int, seed: int) -> ImageFolder
 def bench_beton(index: ImageFolderIndex, cache: Path, *, quality: int, max_resolution: int, workers: int,
                 progress: bool) -> Path:
     """The .beton of exactly these samples, reused when one with the same labels exists."""
-    from fastanchor.pipeline.ffcv_loader import inspect_beton, write_beton
+    from fastanchor.pipeline.beton.inspect import inspect_beton
+    from fastanchor.pipeline.beton.write import write_beton
 
     digest = hashlib.sha256("\n".join(path for path, _ in index.samples).encode()).hexdigest()[:10]
     path = cache / f"{index.root.name}-{len(index)}-{digest}-q{quality}-r{max_resolution}.beton"
@@ -163,7 +157,7 @@ def beton_jpegs(path: Path) -> list[bytes]:
     """The JPEG records of a .beton, as FFCV's decoder reads them (raw records are not decoded)."""
     from ffcv.reader import Reader
 
-    from fastanchor.pipeline.ffcv_loader import JPEG_MODE
+    from fastanchor.pipeline.beton.inspect import JPEG_MODE
 
     reader = Reader(str(path))
     modes = reader.metadata["f0"]["mode"]

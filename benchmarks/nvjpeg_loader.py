@@ -18,7 +18,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from fastanchor.benchmarks.crops import random_resized_crop_box
-from fastanchor.pipeline.imagefolder import ImageFolderIndex
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex
 
 
 class JpegBytes(Dataset):

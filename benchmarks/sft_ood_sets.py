@@ -27,8 +27,9 @@ from PIL import Image
 
 from fastanchor.errors import ConfigError
 from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, jigsaw_shuffle, pseudo_ood
-from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.torchvision_loader import eval_transform, load_rgb
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import eval_transform
+from fastanchor.pipeline.datasets.imagefolder import load_rgb
 
 SETS = ("pseudo_ood", "jigsaw4")
 

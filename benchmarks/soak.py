@@ -3,7 +3,7 @@
 A leak per step or per epoch (a tensor kept alive, a worker or loading thread left behind at each
 epoch boundary, a reference bank that grows) shows as resident memory rising with the steps. This
 runs a tiny anchored model for `--steps` steps through each loader (torchvision DataLoader, FFCV,
-and DALI when `pipeline/dali_loader.py` is present), with the device-resident reference bank, over
+and DALI when `pipeline/loaders/dali.py` is present), with the device-resident reference bank, over
 many epochs of the embedded dataset, and samples anonymous resident memory (heap, tensors: where
 a leak grows; file-backed pages come and go with the page cache): of the main process, and summed
 over it and its worker processes. The sum counts pages a worker shares copy-on-write with the

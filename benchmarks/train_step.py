@@ -4,8 +4,9 @@ and batch, on synthetic uint8 batches already on the device (the pure step, no l
 A step is the trainer's: the anchoring stage turns the uint8 batch into the network input (normalise
 only for standard; pair with an in-batch derangement, mask, build [r, x - r] for anchored), then the
 trainer's `TrainStep` (trainer/step.py: forward under autocast, the anchored cross-entropy, scaled
-backward, optimiser step), with the trainer's model factory, optimiser and precision. Three cases per
-model:
+backward, optimiser step), built by trainer/build.py's functions (build_model, make_optimizer, make_step,
+make_stage) from the default config, or with `--recipe` from the recipe's (its optimiser, batch augmentations,
+mixing, precision and anchoring settings). Three cases per model:
 
     standard            3-channel model, normalised input
     anchored            6-channel model, no batch masked (alpha = 0)
@@ -17,6 +18,7 @@ loss every step; here the device is synchronised at the end of each repetition).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ import torch
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchronize
 from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
-from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
+from fastanchor.pipeline.anchoring import AnchoringStage
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.step import TrainStep
 
@@ -34,32 +36,41 @@ BENCH_LR = 0.01  # small enough that random labels never drive the weights to in
 
 
 class TrainingSetup:
-    """A model with its optimiser and precision, built as `fastanchor train` builds them."""
+    """A model with its optimiser, step and precision, built by trainer/build.py's functions as `fastanchor train`
+    builds them from `config` (a recipe's, or the defaults), with the benchmark's model, image size, anchoring and
+    precision set on it; the learning rate is BENCH_LR (random labels would drive a recipe's rate to NaN)."""
 
     def __init__(self, model_name: str, image_size: int, *, anchored: bool, device: torch.device, amp: str,
-                 channels_last: bool, compile: bool, num_classes: int, seed: int):
-        from fastanchor.trainer.build import build_model
-        from fastanchor.trainer.build import amp_dtype, make_optimizer
+                 channels_last: bool, compile: bool, num_classes: int, seed: int, config: Config | None = None):
+        from fastanchor.trainer.build import build_model, make_optimizer, make_step
 
-        config = Config()
+        config = copy.deepcopy(config) if config is not None else Config()
         config.model.name = model_name
         config.anchor.enabled = anchored
         config.data.image_size = image_size
         config.train.channels_last = channels_last
-        config.optim.lr = BENCH_LR
+        config.train.amp = amp
+        config.train.seed = seed
+        config.optim.lr, config.optim.lr_batch = BENCH_LR, 0
+        self.config = config
         torch.manual_seed(seed)
         self.device = device
         self.anchored = anchored
         model = build_model(config, num_classes, device).train()
-        autocast_dtype = amp_dtype(amp, device)
-        self.input_dtype = autocast_dtype or torch.float32
-        self.step = TrainStep(model, make_optimizer(model, config), device=device, autocast_dtype=autocast_dtype,
-                              forward=torch.compile(model) if compile else model)
+        self.step = make_step(config, model, make_optimizer(model, config), device,
+                              forward=torch.compile(model) if compile else None)
+        self.input_dtype = self.step.autocast_dtype or torch.float32
 
-    def stage(self, alpha: float, seed: int) -> AnchoringStage:
-        """The on-device stage for this model (anchored or standard), masking batches with probability `alpha`."""
-        return AnchoringStage((), AnchoringSpec(anchored=self.anchored, alpha=alpha), device=self.device,
-                              dtype=self.input_dtype, seed=seed)
+    def stage(self, alpha: float, seed: int, batch: torch.Tensor | None = None) -> AnchoringStage:
+        """The on-device stage for this model (anchored or standard, with the config's batch augmentations),
+        masking batches with probability `alpha`; `batch` stands in for the fixed references of
+        anchor.references = fixed."""
+        from fastanchor.trainer.build import make_stage
+
+        config = copy.deepcopy(self.config)
+        config.anchor.alpha, config.train.seed = alpha, seed
+        fixed = batch if config.anchor.references == "fixed" else None
+        return make_stage(config, (), self.device, fixed_references=fixed)
 
 
 def synthetic_batches(count: int, batch_size: int, image_size: int, num_classes: int, device: torch.device,
@@ -90,6 +101,7 @@ class StepPlan:
     batch_size: int
     steps: int
     recipes: list[str]  # the recipes whose model and training resolution are measured (with --recipe)
+    config: Config | None = None  # the recipe's config (with --recipe): its optimiser, augmentation and precision
 
 
 def model_at_resolution(config: Config) -> tuple[str, int]:
@@ -115,25 +127,27 @@ def plan(options: StepOptions, device: torch.device) -> StepPlan:
         config = load_config(options.recipe)
         options.amp, options.channels_last = config.train.amp, config.train.channels_last
         model_at = model_at_resolution(config)
-        return StepPlan([model_at], options.batch_size or config.data.batch_size, steps, recipes_training(model_at))
+        return StepPlan([model_at], options.batch_size or config.data.batch_size, steps, recipes_training(model_at), config)
     models = [parse_model_at(text) for text in names_list(by_device(options.models, CPU_STEP_MODELS, GPU_STEP_MODELS, cuda))]
     return StepPlan(models, by_device(options.batch_size, 64, 256, cuda), steps, [])
 
 
-def model_cases(options: StepOptions, device: torch.device, name: str, size: int, batch_size: int, steps: int):
-    """The three cases of one model and their ratios."""
+def model_cases(options: StepOptions, device: torch.device, name: str, size: int, batch_size: int, steps: int,
+                config: Config | None = None):
+    """The three cases of one model and their ratios (`config`: the recipe's, else the defaults)."""
     label = f"{name}@{size}"
     common = dict(device=device, amp=options.amp, channels_last=options.channels_last, compile=options.compile,
-                  num_classes=options.num_classes, seed=options.seed)
+                  num_classes=options.num_classes, seed=options.seed, config=config)
     standard = TrainingSetup(name, size, anchored=False, **common)
     anchored = TrainingSetup(name, size, anchored=True, **common)
     batches = synthetic_batches(2, batch_size, size, options.num_classes, device, options.seed)
     info = dict(model=name, image_size=size, batch_size=batch_size, steps_per_repetition=steps,
                 input_dtype=str(anchored.input_dtype).replace("torch.", ""))
     cases = [
-        step_case(f"{label} standard", standard, standard.stage(0.0, options.seed), batches, steps, **info),
-        step_case(f"{label} anchored", anchored, anchored.stage(0.0, options.seed), batches, steps, **info),
-        step_case(f"{label} anchored+masked", anchored, anchored.stage(1.0, options.seed), batches, steps, **info),
+        step_case(f"{label} standard", standard, standard.stage(0.0, options.seed, batches[0][0]), batches, steps, **info),
+        step_case(f"{label} anchored", anchored, anchored.stage(0.0, options.seed, batches[0][0]), batches, steps, **info),
+        step_case(f"{label} anchored+masked", anchored, anchored.stage(1.0, options.seed, batches[0][0]), batches, steps,
+                  **info),
     ]
     derived = [
         Derived(f"{label}: anchored/standard", f"{label} anchored", f"{label} standard",
@@ -151,12 +165,12 @@ def run_step_benchmark(options: StepOptions, command: str):
     chosen = plan(options, device)
     cases, derived = [], []
     for name, size in chosen.models:
-        more_cases, more_derived = model_cases(options, device, name, size, chosen.batch_size, chosen.steps)
+        more_cases, more_derived = model_cases(options, device, name, size, chosen.batch_size, chosen.steps, chosen.config)
         cases += more_cases
         derived += more_derived
     notes = [f"synthetic uint8 batches on the device, batch {chosen.batch_size}, {chosen.steps} steps per repetition; "
-             f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; in-batch derangement "
-             f"references; SGD as the trainer's default recipe"]
+             f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; built by trainer/build.py (build_model, make_optimizer, make_step, make_stage) from "
+             f"{'the recipe' if options.recipe else 'the default config'}, learning rate {BENCH_LR}"]
     if options.recipe:
         options.tag = options.tag or options.recipe.replace("/", "_")
         notes.append(f"recipe {options.recipe}: its model at its first-epoch training resolution; the figures stand for "

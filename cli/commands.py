@@ -16,7 +16,7 @@ from fastanchor.trainer.run_folder import RunFolder
 
 
 def prepare(options: o.PrepareOptions, command: str) -> None:
-    from fastanchor.pipeline.audit import audit_image_folder
+    from fastanchor.pipeline.beton.audit import audit_image_folder
     from fastanchor.trainer.build import beton_path, ensure_beton, ensure_dataset
 
     config = options.load()

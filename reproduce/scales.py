@@ -82,7 +82,7 @@ class Setup:
 
     def evaluation(self, ev: Evaluation) -> list[str]:
         """`fastanchor evaluate --set` overrides of this setup for `ev` (seed and device are the run's)."""
-        from fastanchor.pipeline.corruptions import BAR_CORRUPTIONS, CORRUPTIONS  # numpy, scipy: not for --help
+        from fastanchor.pipeline.shifts.corruptions import BAR_CORRUPTIONS, CORRUPTIONS  # numpy, scipy: not for --help
 
         severities = (ev.severities[0], ev.severities[-1]) if self.few else ev.severities
         names = ("gaussian_noise", "contrast") if self.few else self.corruptions or CORRUPTIONS[self.corruption_parameters]

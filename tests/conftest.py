@@ -14,7 +14,7 @@ os.environ.setdefault("NUMBA_OPT", "0")
 import pytest  # noqa: E402
 
 from fastanchor.cli import main  # noqa: E402
-from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset  # noqa: E402
+from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset  # noqa: E402
 
 TINY_SPEC = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
 FASTANCHOR = str(Path(sys.executable).with_name("fastanchor"))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
-from fastanchor.pipeline.erasing import RandomErasing
+from fastanchor.pipeline.augment.augmix import AugmentChain, DeviceAugMix
+from fastanchor.pipeline.augment.erasing import RandomErasing
 from fastanchor.trainer.build import eval_loader, split_index
 from fastanchor.trainer.config import load_config
 from torchvision.transforms import v2

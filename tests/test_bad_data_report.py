@@ -7,7 +7,7 @@ import numpy as np
 from PIL import Image
 
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.ffcv_loader import inspect_beton
+from fastanchor.pipeline.beton.inspect import inspect_beton
 
 
 def damage(train_root):

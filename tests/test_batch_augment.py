@@ -10,8 +10,8 @@ from PIL import Image
 
 from fastanchor.kernels import IMAGENET_MEAN_255
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.erasing import RandomErasing, erasing_boxes, paint_boxes
-from fastanchor.pipeline.mixing import BatchMixer, Mix, cutmix, cutmix_box, mixup, partners
+from fastanchor.pipeline.augment.erasing import RandomErasing, erasing_boxes, paint_boxes
+from fastanchor.pipeline.augment.mixing import BatchMixer, Mix, cutmix, cutmix_box, mixup, partners
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.config import ConfigError, load_config
 from fastanchor.trainer.inference import predict
@@ -163,7 +163,7 @@ def test_loaders_refuse_policies_they_cannot_do(loader, policy, message):
 
 @pytest.mark.parametrize("policy", ["autoaugment", "randaugment", "trivialaugment_wide"])
 def test_torchvision_policies_run_per_image(policy):
-    from fastanchor.pipeline.torchvision_loader import train_transform
+    from fastanchor.pipeline.loaders.torchvision import train_transform
 
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
     out = train_transform(24, 0.5, policy=policy)(image)
@@ -211,7 +211,7 @@ def test_padded_crop_is_a_shift_of_the_image_or_its_mirror_in_a_black_frame(load
     import shutil
 
     from fastanchor.trainer.build import split_index, train_loader
-    from fastanchor.pipeline.torchvision_loader import load_rgb
+    from fastanchor.pipeline.datasets.imagefolder import load_rgb
     from fastanchor.trainer.config import DataConfig
 
     shutil.copytree(tiny_dataset / "train", tmp_path / "train")
@@ -232,9 +232,9 @@ def test_padded_crop_is_a_shift_of_the_image_or_its_mirror_in_a_black_frame(load
 @pytest.mark.parametrize("policy", ["autoaugment", "randaugment", "trivialaugment_wide"])
 def test_dali_policies_change_images_per_sample(policy, tiny_dataset):
     """DALI's auto_aug in the loader: with no policy every image is its source or its mirror; with one, some are not."""
-    from fastanchor.pipeline.dali_loader import DALILoader
-    from fastanchor.pipeline.imagefolder import scan_image_folder
-    from fastanchor.pipeline.torchvision_loader import load_rgb
+    from fastanchor.pipeline.loaders.dali import DALILoader
+    from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+    from fastanchor.pipeline.datasets.imagefolder import load_rgb
 
     index = scan_image_folder(tiny_dataset / "train")
     sources = np.stack([np.asarray(load_rgb(path)) for path, _ in index.samples])

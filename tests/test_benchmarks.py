@@ -21,8 +21,8 @@ from fastanchor.benchmarks.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
 from fastanchor.benchmarks.results import describe_run, environment, validate_result
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline import imagenet_shaped
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets import imagenet_shaped
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--repetitions", "2", "--warmup-rounds", "1", "--no-progress"]

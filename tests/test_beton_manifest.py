@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from fastanchor.errors import DataError
-from fastanchor.pipeline.beton_manifest import is_current, manifest_path, recorded_index, write_manifest
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.beton.manifest import is_current, manifest_path, recorded_index, write_manifest
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.trainer import build as build_module
 from fastanchor.trainer.build import beton_path, ensure_beton, split_index, train_loader
 from fastanchor.trainer.config import DataConfig
@@ -78,7 +78,7 @@ def test_existing_beton_is_used_without_scanning_and_rewritten_when_the_tree_cha
 
 def test_manifest_records_the_files_an_audit_left_out(tree):
     """After `prepare` skipped a file, the FFCV path keeps using the audited .beton (without it)."""
-    from fastanchor.pipeline.ffcv_loader import write_beton
+    from fastanchor.pipeline.beton.write import write_beton
 
     bad = tree / "val" / "circle" / "broken.jpg"
     bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
@@ -108,7 +108,7 @@ def test_ffcv_order_and_os_cache_options_reach_the_loader(tree):
 
 def test_recipes_that_write_betons_differently_never_share_a_file(tree):
     """FFCV's ResNet-50 and ResNet-18 configs store other resolutions and JPEG shares: each gets its own file."""
-    from fastanchor.pipeline.ffcv_loader import inspect_beton
+    from fastanchor.pipeline.beton.inspect import inspect_beton
 
     scanned = scan_image_folder(tree / "val")
     rn50 = DataConfig(root=str(tree), loader="ffcv", ffcv_write_workers=1, ffcv_max_resolution=20, ffcv_compress_probability=0.5)

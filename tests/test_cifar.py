@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_main
-from fastanchor.pipeline.ffcv_loader import FFCVLoader
+from fastanchor.pipeline.loaders.ffcv import FFCVLoader
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR100_NAMES = ["maple_tree", "apple", "tulip", "bear"]  # not alphabetical: folders get label prefixes

@@ -4,9 +4,9 @@ hand-checked cases, the published severity tables."""
 
 import numpy as np
 import pytest
-from fastanchor.pipeline.corruptions import corrupt_image
+from fastanchor.pipeline.shifts.corruptions import corrupt_image
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.corruptions_bar import (
+from fastanchor.pipeline.shifts.corruptions_bar import (
     C_BAR_LEVELS,
     CIFAR_C_BAR_CORRUPTIONS,
     IMAGENET_C_BAR_CORRUPTIONS,

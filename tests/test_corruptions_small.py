@@ -1,4 +1,4 @@
-"""CIFAR-10-C-strength corruptions (pipeline/corruptions_small.py, all 19) against independent references:
+"""CIFAR-10-C-strength corruptions (pipeline/shifts/corruptions_small.py, all 19) against independent references:
 imagecorruptions where a CIFAR-10-C parameter equals an ImageNet-C one, hand-worked values, the HSV formulas;
 every one on 32 px images, seeded, and growing with severity where CIFAR-10-C's severities do."""
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.corruptions import corrupt_image
-from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS, _disc_kernel, corrupt_small
+from fastanchor.pipeline.shifts.corruptions import corrupt_image
+from fastanchor.pipeline.shifts.corruptions_small import CIFAR_C_CORRUPTIONS, _disc_kernel, corrupt_small
 from fastanchor.trainer.config import Config, validate
 
 

@@ -18,9 +18,9 @@ from PIL import Image
 
 from conftest import run_main, tiny_overrides
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.dali_loader import DALILoader, shard_bounds
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.loaders.dali import DALILoader, shard_bounds
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 
 SIZE = 32  # the tiny dataset's image size (tests/conftest.py TINY_SPEC)
 
@@ -127,7 +127,7 @@ def test_eval_shards_cover_the_dataset_once(indexes):
     for index, num_shards in ((val, 2), (train, 5)):  # 24 in 2 equal shards; 48 in shards of 9 and 10
         seen = []
         for shard_id in range(num_shards):
-            loader = eval_loader(index, shard_id=shard_id, num_shards=num_shards, workers=2)
+            loader = eval_loader(index, rank=shard_id, world_size=num_shards, workers=2)
             start, stop = shard_bounds(len(index), shard_id, num_shards)
             order = loader.epoch_order(0)
             assert order.tolist() == list(range(start, stop)) and loader.num_samples == stop - start
@@ -146,7 +146,7 @@ def test_train_shards_are_disjoint_and_equally_long(indexes):
     train, _ = indexes
     for num_shards, padding in ((2, 0), (5, 2)):  # 48 = 2 x 24; 5 x 10 = 48 + 2 repeated (DistributedSampler's way)
         loaders = [DALILoader(train, batch_size=4, train=True, image_size=16, workers=1, device="cpu", seed=3,
-                              drop_last=False, shard_id=k, num_shards=num_shards) for k in range(num_shards)]
+                              drop_last=False, rank=k, world_size=num_shards) for k in range(num_shards)]
         orders = [loader.epoch_order(1) for loader in loaders]
         per_shard = math.ceil(48 / num_shards)
         assert {loader.num_samples for loader in loaders} == {per_shard}
@@ -274,7 +274,7 @@ def test_bad_folders_and_files_raise_one_line(indexes, tmp_path):
         assert f"'{broken}'" in str(caught.value) and "\n" not in str(caught.value)
 
     options = dict(batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False)
-    for bad, what in (({"shard_id": 2, "num_shards": 2}, "shard_id"), ({"num_shards": 0}, "num_shards"),
+    for bad, what in (({"rank": 2, "world_size": 2}, "rank"), ({"world_size": 0}, "world_size"),
                       ({"batch_size": 0}, "batch_size"), ({"crop_ratio": 1.5}, "crop_ratio"),
                       ({"min_scale": 0.0}, "min_scale"), ({"workers": -1}, "workers"), ({"hflip": "no"}, "hflip")):
         with pytest.raises(ConfigError, match=what):

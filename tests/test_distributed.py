@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
 from fastanchor.trainer.checkpoint import checkpoint_name
 
 # GroupNorm, no BatchNorm: with BatchNorm each process would normalise by its own half batch's

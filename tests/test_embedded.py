@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastanchor.pipeline import embedded
-from fastanchor.pipeline.embedded import (
+from fastanchor.pipeline.datasets import embedded
+from fastanchor.pipeline.datasets.embedded import (
     IN_DISTRIBUTION_CLASSES,
     OOD_CLASSES,
     TEXTURE_CLASSES,

@@ -12,10 +12,11 @@ import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.errors import DataError
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, normalize
-from fastanchor.pipeline.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, subset
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.shifts.eval_sets import imagenet_r_class_subset, imagenet_r_wnids, severity_of_folder, subset
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
+from fastanchor.pipeline.datasets.imagefolder import load_rgb
 from fastanchor.trainer.build import load_for_inference, shift_sets
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.inference import predict

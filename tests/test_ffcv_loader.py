@@ -17,10 +17,12 @@ import torch
 pytest.importorskip("ffcv", reason="ffcv (the 'ffcv' extra) is not installed")
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline import ffcv_loader
-from fastanchor.pipeline.ffcv_loader import FFCVLoader, inspect_beton, write_beton
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.beton import write as beton_write
+from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.beton.inspect import inspect_beton
+from fastanchor.pipeline.beton.write import write_beton
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 
 SIZE = 32  # the tiny dataset's image size (tests/conftest.py TINY_SPEC)
 
@@ -104,13 +106,13 @@ def test_write_beton_failure_leaves_nothing(tmp_path, indexes, monkeypatch):
     train, _ = indexes
     target = tmp_path / "train.beton"
     target.write_bytes(b"previous contents")
-    writer = ffcv_loader._writer_class()
+    writer = beton_write._writer_class()
 
     def broken_finalize(self, allocations):
         raise RuntimeError("disk full (simulated)")
 
     monkeypatch.setattr(writer, "finalize", broken_finalize)
-    monkeypatch.setattr(ffcv_loader, "_writer_class", lambda: writer)
+    monkeypatch.setattr(beton_write, "_writer_class", lambda: writer)
     with pytest.raises(RuntimeError, match="simulated"):
         write_beton(train, target, progress=False)
     assert target.read_bytes() == b"previous contents"  # the old file is untouched
@@ -124,29 +126,29 @@ def test_write_beton_failure_leaves_nothing(tmp_path, indexes, monkeypatch):
 
 def test_write_beton_verification_mismatch_raises(tmp_path, indexes, monkeypatch):
     train, _ = indexes
-    real = ffcv_loader.inspect_beton
+    real = beton_write.inspect_beton
 
     def relabelled(path, **kwargs):
         info = real(path, **kwargs)
         labels = info.labels.copy()
         labels[0] = (labels[0] + 1) % len(train.classes)
-        return ffcv_loader.BetonInfo(**{**info.__dict__, "labels": labels})
+        return beton_write.BetonInfo(**{**info.__dict__, "labels": labels})
 
-    monkeypatch.setattr(ffcv_loader, "inspect_beton", relabelled)
+    monkeypatch.setattr(beton_write, "inspect_beton", relabelled)
     target = tmp_path / "train.beton"
     with pytest.raises(DataError, match=r"train\.beton.*labels that differ"):
         write_beton(train, target, progress=False)
     assert os.listdir(tmp_path) == []
 
     # A dataset that yields one sample fewer than the index holds.
-    monkeypatch.setattr(ffcv_loader, "inspect_beton", real)
-    monkeypatch.setattr(ffcv_loader, "RGBSamples", lambda index: _Truncated(index, len(index) - 1))
+    monkeypatch.setattr(beton_write, "inspect_beton", real)
+    monkeypatch.setattr(beton_write, "RGBSamples", lambda index: _Truncated(index, len(index) - 1))
     with pytest.raises(DataError, match=rf"train\.beton.*{len(train) - 1} samples: expected {len(train)}"):
         write_beton(train, target, progress=False)
     assert os.listdir(tmp_path) == []
 
 
-class _Truncated(ffcv_loader.RGBSamples):
+class _Truncated(beton_write.RGBSamples):
     def __init__(self, index, n):
         super().__init__(index)
         self.samples = self.samples[:n]
@@ -306,7 +308,7 @@ def test_distributed_needs_process_group(betons):
     paths, _ = betons
     with pytest.raises(ConfigError, match="process group"):
         FFCVLoader(paths["val"], batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
-                   drop_last=False, distributed=True)
+                   drop_last=False, rank=0, world_size=2)
     with pytest.raises(ConfigError, match="order"):
         FFCVLoader(paths["val"], batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
                    drop_last=False, order="shuffled")

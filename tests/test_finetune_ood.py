@@ -14,7 +14,7 @@ from fastanchor.benchmarks.sft_demo_sweep import run_setting
 from fastanchor.benchmarks.sft_demo_table import header, sweep_rows
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.kernels.pseudo_ood import allowed_grids
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.trainer.safety import finetune_ood as sft
 from fastanchor.trainer.build import eval_loader, load_for_inference, split_index
 from sklearn.metrics import roc_auc_score

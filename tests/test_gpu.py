@@ -27,8 +27,8 @@ from conftest import run_main, tiny_overrides  # noqa: E402
 from fastanchor import kernels  # noqa: E402
 from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader  # noqa: E402
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor_backend, anchor_torch, anchor_triton  # noqa: E402
-from fastanchor.pipeline.augmix import DeviceAugMix  # noqa: E402
-from fastanchor.pipeline.imagefolder import scan_image_folder  # noqa: E402
+from fastanchor.pipeline.augment.augmix import DeviceAugMix  # noqa: E402
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder  # noqa: E402
 from test_distributed import torchrun  # noqa: E402
 from test_resume import RESUMABLE, kill_and_resume  # noqa: E402
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.eval_sets import subset
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.shifts.eval_sets import subset
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform, load_rgb
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
+from fastanchor.pipeline.datasets.imagefolder import load_rgb
 from fastanchor.trainer.build import build_training, inference_references, load_for_inference, resolve_device
 from fastanchor.trainer.checkpoint import load_checkpoint
 from fastanchor.trainer.config import DataConfig, config_from_dict

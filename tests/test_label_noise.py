@@ -14,9 +14,9 @@ import torch
 
 from conftest import run_main, tiny_overrides
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.label_noise import flip_labels
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.augment.label_noise import flip_labels
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 from fastanchor.trainer.build import build_training, train_loader
 from fastanchor.trainer.config import DataConfig, load_config
 from fastanchor.trainer.distributed import Processes
@@ -116,7 +116,7 @@ def test_every_loader_gives_each_sample_its_flipped_label(kind, train_copy):
         source = source[:, 0]
         assert labels.tolist() == noise.labels[source.numpy()].tolist(), kind
     if kind == "ffcv":
-        from fastanchor.pipeline.ffcv_loader import inspect_beton
+        from fastanchor.pipeline.beton.inspect import inspect_beton
 
         assert np.array_equal(inspect_beton(loader.path).labels, clean)
 

@@ -5,7 +5,8 @@ The layers, bottom first (a module may import its own layer and the layers below
   root        fastanchor/__init__.py and the utility modules at the package root that every layer may
               use: errors.py (the error family), files.py (atomic file writing), progress.py (progress output)
   kernels     fastanchor/kernels/
-  pipeline    fastanchor/pipeline/
+  pipeline    fastanchor/pipeline/ (loaders/, beton/, datasets/, augment/, shifts/; the three loader files in
+              loaders/ import nothing from each other, a test checks)
   trainer     fastanchor/trainer/, in parts that import only down too, bottom first:
                 models  trainer/models/ (factory.py: the model factory on surgery.py: first-layer surgery; one
                         file per network of fastanchor's own, importing neither)
@@ -266,6 +267,27 @@ def test_model_rooms_stay_apart():
     problems = models_room_problems(all_imports())
     assert not problems, "trainer/models/ imports across its rooms (surgery <- factory; networks apart):\n" + \
         "\n".join(problems)
+
+
+LOADER_FILES = ("fastanchor.pipeline.loaders.torchvision", "fastanchor.pipeline.loaders.ffcv",
+                "fastanchor.pipeline.loaders.dali")  # one loader each: what they share lives in loaders/spec.py
+
+
+def imports_between_loaders(imports: list[Import]) -> list[str]:
+    return [f"{i.importer} imports {i.imported} at line {i.line}" for i in imports
+            if i.importer in LOADER_FILES and any(i.imported == m or i.imported.startswith(m + ".") for m in LOADER_FILES)]
+
+
+def test_loader_files_import_nothing_from_each_other():
+    """pipeline/loaders/: torchvision, FFCV and DALI one file each; the registry imports all three, none another."""
+    assert imports_between_loaders([Import("fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.torchvision",
+                                           7, False)]) == [
+        "fastanchor.pipeline.loaders.dali imports fastanchor.pipeline.loaders.torchvision at line 7"]
+    modules = module_files()
+    assert all(name in modules for name in LOADER_FILES)
+    problems = imports_between_loaders(all_imports())
+    assert not problems, "imports between loader files (share through loaders/spec.py):\n" + "\n".join(problems)
+
 
 def private_imports(modules: dict[str, Path]) -> list[str]:
     """`from fastanchor.x import _name` in one module of another: a private name used across modules."""

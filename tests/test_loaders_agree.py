@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.dali_loader import DALILoader
-from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
-from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, eval_transform
+from fastanchor.pipeline.loaders.dali import DALILoader
+from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.beton.write import write_beton
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, eval_transform
 from fastanchor.trainer.build import train_loader
 from fastanchor.trainer.config import DataConfig
 
@@ -135,7 +136,7 @@ def test_hflip_false_never_mirrors_a_training_image(kind, crop, train_copy):
     torchvision and DALI draw the crops and flips from (seed, epoch, sample): with hflip=false every
     image that hflip=true left unmirrored comes out bit for bit the same (its crop or shift was
     drawn the same), and with random_resized each mirrored one comes out as its mirror.
-    FFCV does not seed its flips and shifts (see pipeline/ffcv_loader.py)."""
+    FFCV does not seed its flips and shifts (see pipeline/loaders/ffcv.py)."""
     index, sources = train_copy
     padding = 4 if crop == "padded" else 0
     source_labels = torch.tensor([label for _, label in index.samples])

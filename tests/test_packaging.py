@@ -18,9 +18,10 @@ import pytest
 from fastanchor.trainer.config import recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("", "kernels", "pipeline", "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
+PACKAGES = ("", "kernels", "pipeline", "pipeline/loaders", "pipeline/beton", "pipeline/datasets", "pipeline/augment", "pipeline/shifts",
+            "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
             "reproduce", "cli")  # folders whose *.py are the modules
-DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/imagenet_r_wnids.txt", "pipeline/c_bar_levels.json",
+DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/shifts/imagenet_r_wnids.txt", "pipeline/shifts/c_bar_levels.json",
               "reproduce/paper_numbers/000.yaml", "reproduce/paper_numbers/002.yaml")
 
 
@@ -80,7 +81,7 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
         assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-3000:]}"
         return result.stdout
 
-    located = run(sys.executable, "-c", "import fastanchor.pipeline.eval_sets as e, fastanchor.trainer.safety.effective_robustness as r\n"
+    located = run(sys.executable, "-c", "import fastanchor.pipeline.shifts.eval_sets as e, fastanchor.trainer.safety.effective_robustness as r\n"
                                         "print(e.__file__, len(e.imagenet_r_wnids()), sorted(r.shipped_baselines()), sep='\\n')")
     module, wnids, fits = located.splitlines()
     assert Path(module).is_relative_to(target)

@@ -1,4 +1,4 @@
-"""PixMix on the device batch (pipeline/pixmix.py) with generated mixing pictures (pipeline/pixmix_pictures.py):
+"""PixMix on the device batch (pipeline/augment/pixmix.py) with generated mixing pictures (pipeline/augment/pixmix_pictures.py):
 the mixing formulas and the augmentations against hand-worked values, the algorithm's probabilities
 against their closed form, seeded and resumable, wired into the trainer's device stage for every loader."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.pixmix import (
+from fastanchor.pipeline.augment.pixmix import (
     DevicePixMix,
     affine_resample,
     geometric_matrix,
@@ -17,7 +17,7 @@ from fastanchor.pipeline.pixmix import (
     sample_ab,
     solarize,
 )
-from fastanchor.pipeline.pixmix_pictures import mixing_pictures
+from fastanchor.pipeline.augment.pixmix_pictures import mixing_pictures
 from fastanchor.trainer.build import split_index
 from fastanchor.trainer.config import ConfigError, load_config
 

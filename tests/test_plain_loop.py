@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastanchor.pipeline import anchored
-from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.models import create_model
 
@@ -47,7 +47,7 @@ def test_plain_loop_over_ffcvs_own_loader(tiny_dataset, tmp_path):
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import ToTensor
 
-    from fastanchor.pipeline.ffcv_loader import write_beton
+    from fastanchor.pipeline.beton.write import write_beton
 
     data = tmp_path / "data"
     shutil.copytree(tiny_dataset, data)

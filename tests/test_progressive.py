@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import run_main, tiny_overrides
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.progressive import resolution_for_epoch
-from fastanchor.pipeline.torchvision_loader import DecodedImages, TorchvisionLoader, train_transform
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, train_transform
 from fastanchor.trainer.config import ConfigError, DataConfig, load_config
 from fastanchor.trainer.schedule import training_resolution
 

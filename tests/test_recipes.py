@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
-from fastanchor.pipeline.imagenet_shaped import ImageNetShapedSpec, render_jpeg
+from fastanchor.pipeline.datasets.imagenet_shaped import ImageNetShapedSpec, render_jpeg
 from fastanchor.trainer.config import RECIPE_DIR, ConfigError, load_config, recipe_names
 from fastanchor.cli.recipes import batch_for, launch_command, load_recipe, readme_block
 from fastanchor.trainer.schedule import lr_factor, peak_lr
@@ -138,8 +138,8 @@ def test_transformer_and_cifar_schedules_by_hand():
 def test_cifar_recipes_evaluate_as_table_1(name):
     """Table 1 of the anchoring paper: CIFAR-strength corruptions at severities 1-5: every on-the-fly CIFAR-10-C
     corruption and CIFAR-10-C-bar's ten at its published levels."""
-    from fastanchor.pipeline.corruptions_bar import CIFAR_C_BAR_CORRUPTIONS
-    from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS
+    from fastanchor.pipeline.shifts.corruptions_bar import CIFAR_C_BAR_CORRUPTIONS
+    from fastanchor.pipeline.shifts.corruptions_small import CIFAR_C_CORRUPTIONS
 
     e = load_config(name).eval
     assert e.severities == [1, 2, 3, 4, 5]

@@ -13,7 +13,7 @@ from fastanchor.benchmarks import sft_control as control
 from fastanchor.benchmarks.sft_control_sweep import main
 from fastanchor.kernels.pseudo_ood import pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.config import DataConfig
 from fastanchor.trainer.models import create_model

@@ -101,7 +101,7 @@ def test_auto_takes_the_published_cifar_line_for_a_cifar_10_1_folder(tmp_path):
     import shutil
 
     from conftest import TINY_SPEC
-    from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
+    from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
 
     # an ImageFolder with CIFAR-10's class names (embedded images renamed into them) and an OOD folder named CIFAR-10.1
     cifar = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

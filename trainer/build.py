@@ -20,7 +20,6 @@ process settings (threads, determinism, seeds).
 from __future__ import annotations
 
 import fnmatch
-import functools
 import os
 import random
 from dataclasses import dataclass
@@ -32,14 +31,14 @@ from torch.utils.data import Dataset
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
-from fastanchor.pipeline.augmix import AugmentChain, DeviceAugMix
-from fastanchor.pipeline.beton_manifest import is_current, recorded_index, write_manifest
-from fastanchor.pipeline.cifar import ensure_cifar_tree
-from fastanchor.pipeline.corruptions_bar import IMAGENET_C_BAR_LEVELS
-from fastanchor.pipeline.dali_loader import DALILoader
-from fastanchor.pipeline.embedded import EmbeddedSpec, generate_embedded_dataset
-from fastanchor.pipeline.erasing import RandomErasing
-from fastanchor.pipeline.eval_sets import (
+from fastanchor.pipeline.augment.augmix import AugmentChain, DeviceAugMix
+from fastanchor.pipeline.beton.cache import ensure_beton as cached_beton
+from fastanchor.pipeline.beton.manifest import recorded_index
+from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
+from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
+from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
+from fastanchor.pipeline.augment.erasing import RandomErasing
+from fastanchor.pipeline.shifts.eval_sets import (
     EvalSet,
     cifar_c_sets,
     corruption_tree_sets,
@@ -48,19 +47,18 @@ from fastanchor.pipeline.eval_sets import (
     limit,
     parse_named_path,
 )
-from fastanchor.pipeline.ffcv_loader import FFCVLoader, write_beton
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.label_noise import LabelNoise, flip_labels, relabelled
-from fastanchor.pipeline.mixing import BatchMixer
-from fastanchor.pipeline.pixmix import DevicePixMix
+from fastanchor.pipeline.loaders.registry import make as make_loader
+from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
+from fastanchor.pipeline.datasets.imagefolder import load_rgb, ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.augment.label_noise import LabelNoise, flip_labels, relabelled
+from fastanchor.pipeline.augment.mixing import BatchMixer
+from fastanchor.pipeline.augment.pixmix import DevicePixMix
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import (
+from fastanchor.pipeline.loaders.torchvision import (
     Corruption,
     DecodedImages,
     TorchvisionLoader,
     eval_transform,
-    load_rgb,
-    train_transform,
 )
 from fastanchor.trainer.checkpoint import load_checkpoint
 from fastanchor.trainer.config import Config, DataConfig, config_from_dict, with_overrides
@@ -153,62 +151,49 @@ def beton_path(data: DataConfig, index: ImageFolderIndex) -> Path:
 
 def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = True) -> Path:
     """The split's .beton, written (verified) with its manifest when missing, or when it was not
-    written from exactly `index` or the tree changed since (see pipeline/beton_manifest.py)."""
-    path = beton_path(data, index)
-    if is_current(path, index):
-        return path
-    write_beton(index, path, max_resolution=data.ffcv_max_resolution or None, jpeg_quality=data.ffcv_jpeg_quality,
-                compress_probability=data.ffcv_compress_probability,
-                workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
-    write_manifest(path, index)
-    return path
+    written from exactly `index` or the tree changed since (see pipeline/beton/cache.py)."""
+    return cached_beton(index, beton_path(data, index), max_resolution=data.ffcv_max_resolution or None,
+                        jpeg_quality=data.ffcv_jpeg_quality, compress_probability=data.ffcv_compress_probability,
+                        workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
+
+
+def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: int = 0, rank: int = 0,
+                world_size: int = 1, policy: str = "none", hflip: bool = True) -> LoaderSpec:
+    """The LoaderSpec of data.* for the training loader (`train`) or the evaluation loader."""
+    if not train:
+        return LoaderSpec(batch_size=data.eval_batch_size, train=False, image_size=data.image_size, workers=data.workers,
+                          device=device, drop_last=False, crop_ratio=data.crop_ratio, rank=rank, world_size=world_size)
+    return LoaderSpec(batch_size=data.batch_size, train=True, image_size=data.image_size, workers=data.workers,
+                      device=device, drop_last=data.drop_last, seed=seed, min_scale=data.min_scale, crop=data.train_crop,
+                      padding=data.crop_padding, hflip=hflip, policy=policy, rank=rank, world_size=world_size)
 
 
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
                  rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True,
-                 labels: np.ndarray | None = None):
+                 labels: np.ndarray | None = None) -> Loader:
     """The training loader; with `world_size` > 1 (torchrun) process `rank` reads its shard of every epoch;
-    `policy` is augment.auto_augment (see pipeline.data.check_loader_supports), `hflip` augment.hflip
+    `policy` is augment.auto_augment (see pipeline.loaders.registry.check_loader_supports), `hflip` augment.hflip
     (random horizontal flips, or none); `progress`: the .beton writer's bar, if it writes; `labels`: the
     label of each sample of `index` to train with instead of its own (data.label_noise), for every loader."""
+    spec = loader_spec(data, device, train=True, seed=seed, rank=rank, world_size=world_size, policy=policy, hflip=hflip)
     if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id
-        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.batch_size, train=True, image_size=data.image_size,
-                          min_scale=data.min_scale, crop=data.train_crop, padding=data.crop_padding, hflip=hflip,
-                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
-                          order=data.ffcv_order, os_cache=data.ffcv_os_cache, distributed=world_size > 1, labels=labels)
-    if labels is not None:
-        index = relabelled(index, labels)
-    if data.loader == "dali":
-        return DALILoader(index, batch_size=data.batch_size, train=True, image_size=data.image_size, min_scale=data.min_scale,
-                          crop=data.train_crop, padding=data.crop_padding, policy=policy, hflip=hflip,
-                          workers=data.workers, device=device, seed=seed, drop_last=data.drop_last,
-                          shard_id=rank, num_shards=world_size)
-    transform_for_size = functools.partial(train_transform, min_scale=data.min_scale, crop=data.train_crop,
-                                           padding=data.crop_padding, policy=policy, hflip=hflip)
-    dataset = DecodedImages(index, transform_for_size(data.image_size))
-    return TorchvisionLoader(dataset, batch_size=data.batch_size, shuffle=True, drop_last=data.drop_last,
-                             workers=data.workers, device=device, seed=seed, transform_for_size=transform_for_size,
-                             rank=rank, world_size=world_size)
+        return make_loader("ffcv", ensure_beton(data, index, progress), spec, order=data.ffcv_order,
+                           os_cache=data.ffcv_os_cache, labels=labels)
+    return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec)
 
 
 def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
-                *, rank: int = 0, world_size: int = 1, progress: bool = True):
+                *, rank: int = 0, world_size: int = 1, progress: bool = True) -> Loader:
     """Clean evaluation uses the configured loader; corrupted images are made on the CPU per image (torchvision path).
 
-    With `world_size` > 1 the torchvision loader reads every image exactly once over all processes
+    With `world_size` > 1 the torchvision and DALI loaders read every image exactly once over all processes
     (sum the counts); FFCV's distributed mode pads shards with repeats, so there every process reads all."""
-    if data.loader == "ffcv" and corruption is None:
-        return FFCVLoader(ensure_beton(data, index, progress), batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
-                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
-                          os_cache=data.ffcv_os_cache)
-    if data.loader == "dali" and corruption is None:
-        return DALILoader(index, batch_size=data.eval_batch_size, train=False, image_size=data.image_size,
-                          crop_ratio=data.crop_ratio, workers=data.workers, device=device, drop_last=False,
-                          shard_id=rank, num_shards=world_size)
-    dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
-    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=data.workers, device=device, rank=rank, world_size=world_size)
-
+    spec = loader_spec(data, device, train=False, rank=rank, world_size=world_size)
+    if corruption is not None:
+        return make_loader("torchvision", index, spec, corruption=corruption)
+    if data.loader == "ffcv":
+        return make_loader("ffcv", ensure_beton(data, index, progress), spec, os_cache=data.ffcv_os_cache)
+    return make_loader(data.loader, index, spec)
 
 def reference_indices(population: int, count: int, seed: int) -> list[int]:
     """`count` positions out of range(`population`) drawn without replacement (all of them, permuted, when
@@ -424,6 +409,37 @@ def training_label_noise(data: DataConfig, index: ImageFolderIndex, seed: int) -
     return flip_labels([label for _, label in index.samples], len(index.classes), data.label_noise, seed)
 
 
+def augment_seed(seed: int, rank: int) -> int:
+    """The seed of the batch augmentations and mixing of process `rank` (each rank draws its own)."""
+    return int(np.random.SeedSequence([seed, rank, 0x415547]).generate_state(1)[0])
+
+
+def make_stage(config: Config, loader, device: torch.device, *, fixed_references: torch.Tensor | None = None,
+               rank: int = 0) -> AnchoringStage:
+    """The on-device stage of `config` over `loader`: augment.* batch augmentations, then anchor.* pairing and
+    masking, in train.amp's input dtype (`fixed_references`: the images of anchor.references = fixed)."""
+    a, t = config.anchor, config.train
+    return AnchoringStage(
+        loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
+        references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_references),
+        device=device, dtype=amp_dtype(t.amp, device) or torch.float32, seed=t.seed,  # the same seed on every rank: batch masks agree
+        augment=device_augmentations(config.augment, augment_seed(t.seed, rank)))
+
+
+def make_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
+              processes: Processes | None = None, forward: torch.nn.Module | None = None) -> TrainStep:
+    """The training step of `config`: train.amp's autocast, augment.* mixing, optim.* clipping, EMA and label
+    smoothing, anchor.* targets and batch-norm handling (`forward`: e.g. the compiled model)."""
+    a, g, o, t = config.anchor, config.augment, config.optim, config.train
+    return TrainStep(
+        model, optimizer, device=device, autocast_dtype=amp_dtype(t.amp, device), forward=forward,
+        mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob,
+                         seed=augment_seed(t.seed, processes.rank if processes else 0)),
+        grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
+        unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
+        skip_nonfinite=t.nonfinite == "skip", processes=processes)
+
+
 def build_training(config: Config, processes: Processes, device: torch.device, point: ResumePoint | None) -> Training:
     """The data, loaders, references, model, optimiser, schedule, anchoring stage and step of `config`
     (`point`: the checkpoint a resumed run goes on from; its inference references are kept)."""
@@ -463,19 +479,8 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
         freeze_backbone(model)
     optimizer = make_optimizer(model, config, processes.world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step / steps_per_epoch, t.epochs, o))
-    autocast_dtype = amp_dtype(t.amp, device)
-    augment_seed = int(np.random.SeedSequence([t.seed, processes.rank, 0x415547]).generate_state(1)[0])  # per rank
-    stage = AnchoringStage(
-        loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
-        references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_train_refs),
-        device=device, dtype=autocast_dtype or torch.float32, seed=t.seed,  # the same seed on every rank: batch masks agree
-        augment=device_augmentations(g, augment_seed))
-    step = TrainStep(
-        model, optimizer, device=device, autocast_dtype=autocast_dtype,
-        mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob, seed=augment_seed),
-        grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
-        unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
-        skip_nonfinite=t.nonfinite == "skip", processes=processes)
+    stage = make_stage(config, loader, device, fixed_references=fixed_train_refs, rank=processes.rank)
+    step = make_step(config, model, optimizer, device, processes=processes)
     return Training(train_index.classes, loader, val_loader, steps_per_epoch, FixedReferenceSet(inference.images.to(device)),
                     inference.origin, stage, step, scheduler, LossWindow(device),
                     None if noise is None else noise.record(train_index))

@@ -514,7 +514,7 @@ def validate(config: Config) -> None:
 
         check_blurpool(config.model.name)
     # pipeline is imported late (here and below): it imports torch, which the CLI's --help does not need
-    from fastanchor.pipeline.data import check_loader_supports
+    from fastanchor.pipeline.loaders.registry import check_loader_supports
 
     check_loader_supports(config.data.loader, config.augment.auto_augment)
     _check(e.blt_candidates >= 1, f"eval.blt_candidates = {e.blt_candidates}: expected >= 1")
@@ -522,9 +522,9 @@ def validate(config: Config) -> None:
     _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
     _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
     _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
-    from fastanchor.pipeline.corruptions import BAR_CORRUPTIONS, CORRUPTIONS, check_corruption_names
-    from fastanchor.pipeline.corruptions_bar import C_BAR_TITLES
-    from fastanchor.pipeline.eval_sets import check_named_paths
+    from fastanchor.pipeline.shifts.corruptions import BAR_CORRUPTIONS, CORRUPTIONS, check_corruption_names
+    from fastanchor.pipeline.shifts.corruptions_bar import C_BAR_TITLES
+    from fastanchor.pipeline.shifts.eval_sets import check_named_paths
 
     check_corruption_names(e.corruptions, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
     check_corruption_names(e.corruptions_bar, BAR_CORRUPTIONS[e.corruption_bar_parameters],

@@ -2,7 +2,7 @@
 
 Unmasked samples: the (optionally label-smoothed) one-hot target. Masked samples: the uniform
 distribution over the C classes (the paper), or their label (the authors' released code).
-Mixup/CutMix (pipeline/mixing.py) mix each sample's target with its partner's by the batch's
+Mixup/CutMix (pipeline/augment/mixing.py) mix each sample's target with its partner's by the batch's
 weight, after smoothing (as timm does); masked samples are mixed only with masked samples, so a
 uniform target stays uniform.
 """
@@ -33,7 +33,7 @@ def soft_targets(
 
 
 def mixed_targets(targets: torch.Tensor, partner: torch.Tensor, lam: float) -> torch.Tensor:
-    """[B, C] targets mixed with their partners' (pipeline.mixing.Mix): lam * q_i + (1 - lam) * q_partner(i)."""
+    """[B, C] targets mixed with their partners' (pipeline.augment.mixing.Mix): lam * q_i + (1 - lam) * q_partner(i)."""
     if lam == 1.0:
         return targets
     return targets.mul(lam).add_(targets[partner], alpha=1.0 - lam)
@@ -48,7 +48,7 @@ def anchored_cross_entropy(
     masked_target: str = "uniform",
     mix=None,
 ) -> torch.Tensor:
-    """Mean over the batch of -sum_c q_c log p_c, computed in float32; `mix` (a pipeline.mixing.Mix)
+    """Mean over the batch of -sum_c q_c log p_c, computed in float32; `mix` (a pipeline.augment.mixing.Mix)
     mixes the targets as the inputs were mixed."""
     targets = soft_targets(labels, logits.shape[-1], masked, label_smoothing=label_smoothing, masked_target=masked_target)
     if mix is not None:

@@ -15,7 +15,7 @@ import copy
 import torch
 
 from fastanchor.pipeline.anchoring import AnchoredBatch
-from fastanchor.pipeline.mixing import BatchMixer
+from fastanchor.pipeline.augment.mixing import BatchMixer
 from fastanchor.trainer.batchnorm import UnmaskedRunningStats
 from fastanchor.trainer.distributed import Processes
 from fastanchor.trainer.losses import anchored_cross_entropy

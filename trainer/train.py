@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fastanchor.pipeline.data import evaluation_is_sharded, iterate_from
+from fastanchor.pipeline.loaders.support import evaluation_is_sharded, iterate_from
 from fastanchor.progress import progress_bar, write
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import Training, build_training, make_deterministic, resolve_device, seed_everything

@@ -37,9 +37,9 @@ from tqdm import tqdm
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.eval_sets import EvalSet, subset
+from fastanchor.pipeline.shifts.eval_sets import EvalSet, subset
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
 from fastanchor.trainer.build import (
     eval_loader,

@@ -53,8 +53,8 @@ from fastanchor.files import atomic_write_bytes
 from fastanchor.progress import progress_bar
 from fastanchor.kernels.pseudo_ood import allowed_grids, draw_grid, pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringSpec, AnchoringStage, to_device_batch
-from fastanchor.pipeline.eval_sets import subset
-from fastanchor.pipeline.torchvision_loader import DecodedImages, eval_transform
+from fastanchor.pipeline.shifts.eval_sets import subset
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import eval_loader, loader_for, ood_sets, split_index, train_loader
 from fastanchor.trainer.checkpoint import save_checkpoint

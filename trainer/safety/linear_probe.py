@@ -38,9 +38,9 @@ import torch
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
-from fastanchor.pipeline.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.progress import progress_bar
-from fastanchor.pipeline.torchvision_loader import Corruption
+from fastanchor.pipeline.loaders.torchvision import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
 from fastanchor.trainer.safety.evaluate import checkpoint_references, reference_set_record
 from fastanchor.trainer.build import load_for_inference, resolve_device

@@ -29,10 +29,10 @@ import torch
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.pipeline.corruptions import CORRUPTIONS, check_corruption_names
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
+from fastanchor.pipeline.shifts.corruptions import CORRUPTIONS, check_corruption_names
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.torchvision_loader import Corruption
+from fastanchor.pipeline.loaders.torchvision import Corruption
 from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.checkpoint import list_checkpoints
 from fastanchor.trainer.safety.effective_robustness import (

@@ -30,7 +30,7 @@ class ProbeSpec(Overrides):
     seed: int = option(0, "seed of reference draws and corruptions")
 
     def check(self) -> None:
-        from fastanchor.pipeline.corruptions import check_corruption_names
+        from fastanchor.pipeline.shifts.corruptions import check_corruption_names
 
         if not 0.0 <= self.alpha < 1.0:
             raise ConfigError(f"alpha = {self.alpha}: expected a masking probability in [0, 1)")

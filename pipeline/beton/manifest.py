@@ -23,7 +23,7 @@ import numpy as np
 
 from fastanchor.errors import DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.pipeline.imagefolder import IGNORED_FILES, ImageFolderIndex
+from fastanchor.pipeline.datasets.imagefolder import IGNORED_FILES, ImageFolderIndex
 
 FORMAT = "fastanchor-beton-manifest"
 VERSION = 1
@@ -126,7 +126,7 @@ def recorded_index(beton: Path, root: Path, classes: tuple[str, ...] | None = No
 def is_current(beton: Path, index: ImageFolderIndex) -> bool:
     """True when `beton` was written from exactly `index` and the tree has not changed since
     (manifest), and the file still holds the index's labels in order (its sample table)."""
-    from fastanchor.pipeline.ffcv_loader import inspect_beton
+    from fastanchor.pipeline.beton.inspect import inspect_beton
 
     if recorded_index(beton, index.root, index.classes) != index:
         return False

@@ -7,7 +7,7 @@ Each corruption is a pair of small functions: a sampler that draws its random pa
 numpy Generator (seeded per image, so the same seed gives the same bytes) and a pure function
 that applies given parameters to a uint8 HWC RGB image. Each set's severity table maps severities
 1-5 to the published parameter levels (0-10 scale; a parameter with maximum M is level * M / 10),
-typed once into pipeline/c_bar_levels.json from `imagenet_c_bar.csv` and `cifar10_c_bar.csv` of the
+typed once into pipeline/shifts/c_bar_levels.json from `imagenet_c_bar.csv` and `cifar10_c_bar.csv` of the
 authors' repository (facebookresearch/augmentation-corruption). Sizes scale with the image side S
 (the definitions are for square images; for others S is the longer side), so a set's corruptions
 are those it publishes at its own image size (224 px, 32 px). Like the published code, results are
@@ -30,7 +30,7 @@ def _read_levels() -> dict[str, dict[str, tuple[float, ...]]]:
             for name, entry in sets.items() if name != "about"}
 
 
-# The published C-bar sets (pipeline/c_bar_levels.json): name -> {corruption: the levels of severities 1-5}.
+# The published C-bar sets (pipeline/shifts/c_bar_levels.json): name -> {corruption: the levels of severities 1-5}.
 C_BAR_LEVELS: dict[str, dict[str, tuple[float, ...]]] = _read_levels()
 IMAGENET_C_BAR_LEVELS: dict[str, tuple[float, ...]] = C_BAR_LEVELS["imagenet-c-bar"]
 IMAGENET_C_BAR_CORRUPTIONS: tuple[str, ...] = tuple(IMAGENET_C_BAR_LEVELS)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastanchor.pipeline.imagefolder import ImageFolderIndex
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex
 
 _TAG = 0x4C4E4F49  # keeps the flips apart from every other stream drawn from the same seed
 

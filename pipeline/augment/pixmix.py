@@ -1,5 +1,5 @@
 """PixMix (Hendrycks et al., "PixMix: Dreamlike Pictures Comprehensively Improve Safety Measures", CVPR 2022)
-on the device batch, for every loader, with generated mixing pictures (pipeline/pixmix_pictures.py).
+on the device batch, for every loader, with generated mixing pictures (pipeline/augment/pixmix_pictures.py).
 
 Per image, as the paper's Algorithm 1: start from the image or, with probability 1/2, one random
 augmentation of it; then, k' times with k' uniform in 0..k, mix in (with probability 1/2 each) another
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
-from fastanchor.pipeline.pixmix_pictures import mixing_pictures
+from fastanchor.pipeline.augment.pixmix_pictures import mixing_pictures
 
 OPERATIONS = ("autocontrast", "equalize", "posterize", "rotate", "solarize", "shear_x", "shear_y",
               "translate_x", "translate_y")

@@ -26,8 +26,8 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.imagefolder import scan_image_folder
-from fastanchor.pipeline.torchvision_loader import DecodedImages
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.torchvision import DecodedImages
 
 IMAGENET_R_WNIDS_FILE = Path(__file__).with_name("imagenet_r_wnids.txt")
 SET_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")

@@ -7,18 +7,19 @@ processes, pinned memory on CUDA, persistent workers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
-from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.corruptions import corrupt_image
-from fastanchor.pipeline.imagefolder import ImageFolderIndex
+from fastanchor.errors import ConfigError
+from fastanchor.pipeline.shifts.corruptions import corrupt_image
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Corruption:
     parameters: str = "imagenet-c"  # or "cifar-10-c": the same corruption at CIFAR-10-C's strengths; C-bar: its set
 
 
+POLICIES = ("none", "autoaugment", "randaugment", "trivialaugment_wide")
 AUTO_AUGMENT_POLICIES = {
     "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
     "randaugment": v2.RandAugment,
@@ -63,14 +65,6 @@ def eval_transform(image_size: int, crop_ratio: float) -> v2.Transform:
         v2.CenterCrop(image_size),
         v2.PILToTensor(),
     ])
-
-
-def load_rgb(path: str) -> Image.Image:
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError) as error:
-        raise DataError(f"cannot decode image '{path}': {error}") from None
 
 
 class DecodedImages(Dataset):
@@ -251,6 +245,11 @@ class TorchvisionLoader:
         self.image_size = image_size
         self.loader = self._data_loader()  # new workers with the new transform
 
+    @property
+    def shards_evaluation(self) -> bool:
+        """Sharded evaluation reads every image exactly once over all processes (see `epoch_shard`)."""
+        return self.sampler.world_size > 1
+
     def __len__(self) -> int:
         return len(self.loader)
 
@@ -266,3 +265,20 @@ def _seed_worker(worker_id: int) -> None:
     import random
 
     random.seed(seed)
+
+
+def from_spec(index: ImageFolderIndex, spec: LoaderSpec, *, corruption: Corruption | None = None,
+              prefetch_factor: int = 4) -> TorchvisionLoader:
+    """The torchvision loader over `index` with `spec`'s settings: train decodes with `train_transform` (and can
+    change its image size), eval with `eval_transform`, after `corruption` when given."""
+    if spec.policy not in POLICIES:
+        raise ConfigError(f"policy = {spec.policy!r}: expected one of {', '.join(POLICIES)}")
+    options = dict(batch_size=spec.batch_size, drop_last=spec.drop_last, workers=spec.workers, device=spec.device,
+                   seed=spec.seed, prefetch_factor=prefetch_factor, rank=spec.rank, world_size=spec.world_size)
+    if not spec.train:
+        dataset = DecodedImages(index, eval_transform(spec.image_size, spec.crop_ratio), corruption)
+        return TorchvisionLoader(dataset, shuffle=False, **options)
+    transform_for_size = functools.partial(train_transform, min_scale=spec.min_scale, crop=spec.crop,
+                                           padding=spec.padding, policy=spec.policy, hflip=spec.hflip)
+    dataset = DecodedImages(index, transform_for_size(spec.image_size), corruption)
+    return TorchvisionLoader(dataset, shuffle=True, transform_for_size=transform_for_size, **options)

@@ -2,7 +2,7 @@
 on CUDA, by nvJPEG (`device="mixed"`), with TorchvisionLoader's batch contract.
 
 `DALILoader` iterates (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on the training
-device. The file list and the labels are the ImageFolder index's (pipeline/imagefolder.py), passed
+device. The file list and the labels are the ImageFolder index's (pipeline/datasets/imagefolder.py), passed
 to DALI explicitly, so DALI's labels are the index's class numbers by construction. The batches are
 DALI's own output buffers, viewed by torch through DLPack (no copy): DALI's default executor
 (`exec_dynamic`) hands each output over for good, so a batch stays valid for as long as the caller
@@ -23,14 +23,15 @@ What differs from the other loaders (see also DALILoader's docstring):
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.pipeline.imagefolder import ImageFolderIndex, scan_image_folder
-from fastanchor.pipeline.torchvision_loader import load_rgb
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb, scan_image_folder
+from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size
 
 _ORDER_TAG, _AUGMENT_TAG = 0x44414C49, 0x41554745  # keep the order and augmentation streams apart
 
@@ -74,13 +75,13 @@ class DALILoader:
     Order: train shuffles with a permutation of (seed, epoch), the same on every shard; eval reads
     the index in order. `set_epoch(epoch)` picks the epoch of the next iteration (without it, each
     iteration takes the next epoch). The crops and flips are drawn by DALI from a pipeline seed of
-    (seed, epoch, shard_id): an epoch is reproducible image for image on the same decoding backend
+    (seed, epoch, rank): an epoch is reproducible image for image on the same decoding backend
     (CPU or mixed) whatever the `workers`. The CPU path is tested; the mixed path needs a GPU.
 
-    Sharding (`shard_id` of `num_shards`, e.g. the rank and world size): DALI's reader splits the
+    Sharding (process `rank` of `world_size`): DALI's reader splits the
     epoch's list into contiguous shards. Train: as torch's DistributedSampler, the permutation is
-    padded with its first samples to a multiple of `num_shards`, so every shard has
-    ceil(N / num_shards) samples and the same number of batches. Eval: no padding, every sample
+    padded with its first samples to a multiple of `world_size`, so every shard has
+    ceil(N / world_size) samples and the same number of batches. Eval: no padding, every sample
     is read exactly once over all shards (shard sizes may then differ by one).
 
     The last batch: DALI's reader pads it by repeating the shard's last sample; the loader drops
@@ -108,25 +109,17 @@ class DALILoader:
         device: torch.device | str,
         seed: int = 0,
         drop_last: bool,
-        shard_id: int = 0,
-        num_shards: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
         prefetch: int = 2,
     ):
         if not isinstance(index, ImageFolderIndex):
             index = scan_image_folder(index)
-        if not _positive_int(batch_size):
-            raise ConfigError(f"batch_size = {batch_size!r}: expected a positive integer")
-        _check_image_size(image_size)
-        if not 0.0 < crop_ratio <= 1.0:
-            raise ConfigError(f"crop_ratio = {crop_ratio!r}: expected a number in (0, 1]")
-        if not 0.0 < min_scale <= 1.0:
-            raise ConfigError(f"min_scale = {min_scale!r}: expected a number in (0, 1]")
-        if not _positive_int(num_shards):
-            raise ConfigError(f"num_shards = {num_shards!r}: expected a positive integer")
-        if not (isinstance(shard_id, int) and 0 <= shard_id < num_shards):
-            raise ConfigError(f"shard_id = {shard_id!r}: expected an integer in [0, {num_shards})")
-        if not (isinstance(workers, int) and workers >= 0):
-            raise ConfigError(f"workers = {workers!r}: expected an integer >= 0")
+        self.spec = LoaderSpec(batch_size=batch_size, train=train, image_size=image_size, workers=workers, device=device,
+                               drop_last=drop_last, seed=seed, crop_ratio=crop_ratio, min_scale=min_scale, crop=crop,
+                               padding=padding, hflip=hflip, policy=policy, rank=rank, world_size=world_size)
+        if policy not in POLICIES:
+            raise ConfigError(f"policy = {policy!r}: DALI's auto_aug offers {', '.join(POLICIES)}")
         if not _positive_int(prefetch):
             raise ConfigError(f"prefetch = {prefetch!r}: expected a positive integer")
         self.index = index
@@ -137,14 +130,6 @@ class DALILoader:
         self.image_size = image_size
         self.crop_ratio = crop_ratio
         self.min_scale = min_scale
-        if crop not in ("random_resized", "padded"):
-            raise ConfigError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
-        if policy not in DALI_POLICIES:
-            raise ConfigError(f"policy = {policy!r}: DALI's auto_aug offers {', '.join(DALI_POLICIES)}")
-        if not (isinstance(padding, int) and padding >= 0):
-            raise ConfigError(f"padding = {padding!r}: expected an integer >= 0")
-        if not isinstance(hflip, bool):
-            raise ConfigError(f"hflip = {hflip!r}: expected True or False")
         self.crop, self.padding, self.policy, self.hflip = crop, padding, policy, hflip
         self.threads = max(1, workers)
         self.device = torch.device(device)
@@ -152,8 +137,8 @@ class DALILoader:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.seed = seed
         self.drop_last = drop_last
-        self.shard_id = shard_id
-        self.num_shards = num_shards
+        self.rank = rank
+        self.world_size = world_size
         self.prefetch = prefetch
         self._epoch = 0
 
@@ -165,33 +150,43 @@ class DALILoader:
 
     def set_image_size(self, image_size: int) -> None:
         """Output s x s images from the next iteration on (an epoch in progress keeps its size)."""
-        _check_image_size(image_size)
+        check_image_size(image_size)
         self.image_size = image_size
 
     @property
     def num_samples(self) -> int:
         """Samples this shard reads per epoch, including the train padding, before drop_last."""
         if self.train:
-            return -(-len(self.files) // self.num_shards)
-        start, stop = shard_bounds(len(self.files), self.shard_id, self.num_shards)
+            return -(-len(self.files) // self.world_size)
+        start, stop = shard_bounds(len(self.files), self.rank, self.world_size)
         return stop - start
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    def iter_from(self, first_batch: int):
+        """The current epoch from batch `first_batch` on: the first batches are decoded and dropped (an epoch's
+        order is a function of (seed, epoch), so the rest are the batches of an uninterrupted epoch)."""
+        return itertools.islice(iter(self), first_batch, None)
+
+    @property
+    def shards_evaluation(self) -> bool:
+        """Sharded evaluation reads every sample exactly once over all processes."""
+        return self.world_size > 1
+
     def epoch_files(self, epoch: int) -> np.ndarray:
         """Positions (in the index) of the file list handed to DALI for `epoch`, all shards."""
         if not self.train:
             return np.arange(len(self.files))
         order = epoch_permutation(len(self.files), self.seed, epoch)
-        padding = self.num_samples * self.num_shards - len(order)
+        padding = self.num_samples * self.world_size - len(order)
         return np.concatenate([order, order[:padding]])
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Positions (in the index) of the samples this shard loads in `epoch`, in order, before drop_last."""
         listed = self.epoch_files(epoch)
-        start, stop = shard_bounds(len(listed), self.shard_id, self.num_shards)
+        start, stop = shard_bounds(len(listed), self.rank, self.world_size)
         return listed[start:stop]
 
     # --- iterating --------------------------------------------------------------------------------
@@ -203,7 +198,7 @@ class DALILoader:
         if batches == 0:
             return
         listed = self.epoch_files(epoch)
-        start, stop = shard_bounds(len(listed), self.shard_id, self.num_shards)
+        start, stop = shard_bounds(len(listed), self.rank, self.world_size)
         order = listed[start:stop]  # what DALI's reader reads for this shard (= epoch_order(epoch))
         pipe = self._build(listed, epoch)
         try:
@@ -238,7 +233,7 @@ class DALILoader:
         pipe = build(
             files, labels, "mixed" if cuda else "cpu", self.image_size,
             batch_size=self.batch_size, num_threads=self.threads, device_id=self.device.index if cuda else None,
-            seed=augmentation_seed(self.seed, epoch, self.shard_id), prefetch_queue_depth=self.prefetch,
+            seed=augmentation_seed(self.seed, epoch, self.rank), prefetch_queue_depth=self.prefetch,
         )
         try:
             pipe.build()
@@ -250,7 +245,7 @@ class DALILoader:
         from nvidia.dali import fn, types
 
         encoded, labels = fn.readers.file(
-            files=files, labels=labels, shard_id=self.shard_id, num_shards=self.num_shards, random_shuffle=False,
+            files=files, labels=labels, shard_id=self.rank, num_shards=self.world_size, random_shuffle=False,
             pad_last_batch=True, name="Reader")
         return encoded, fn.cast(labels, dtype=types.INT64)
 
@@ -307,11 +302,11 @@ class DALILoader:
             except DataError as found:
                 return DataError(f"DALI: {found}")
         stop = min(len(order), start + self.batch_size)
-        return DataError(f"DALI failed on batch {batch} (samples {start} to {stop - 1} of shard {self.shard_id}) "
+        return DataError(f"DALI failed on batch {batch} (samples {start} to {stop - 1} of shard {self.rank}) "
                          f"under '{self.index.root}': {_first_line(error)}")
 
 
-DALI_POLICIES = ("none", "autoaugment", "randaugment", "trivialaugment_wide")
+POLICIES = ("none", "autoaugment", "randaugment", "trivialaugment_wide")
 
 
 def apply_policy(images, policy: str, size: int):
@@ -355,6 +350,9 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _check_image_size(image_size) -> None:
-    if not (_positive_int(image_size) and image_size <= 65535):
-        raise ConfigError(f"image_size = {image_size!r}: expected a positive integer (pixels)")
+def from_spec(index: ImageFolderIndex, spec: LoaderSpec, *, prefetch: int = 2) -> DALILoader:
+    """The DALI loader over `index` with `spec`'s settings; `prefetch`: DALI's prefetch queue depth."""
+    return DALILoader(index, batch_size=spec.batch_size, train=spec.train, image_size=spec.image_size,
+                      crop_ratio=spec.crop_ratio, min_scale=spec.min_scale, crop=spec.crop, padding=spec.padding,
+                      policy=spec.policy, hflip=spec.hflip, workers=spec.workers, device=spec.device, seed=spec.seed,
+                      drop_last=spec.drop_last, rank=spec.rank, world_size=spec.world_size, prefetch=prefetch)

@@ -1,14 +1,14 @@
 """Corruptions applied on the fly, seeded: ImageNet-C's 19 (the `imagecorruptions` package, which uses
-numpy's global RNG), the same 19 at CIFAR-10-C's 32 px parameters (pipeline/corruptions_small.py), and
-ImageNet-C-bar's 10 and CIFAR-10-C-bar's 10 (pipeline/corruptions_bar.py)."""
+numpy's global RNG), the same 19 at CIFAR-10-C's 32 px parameters (pipeline/shifts/corruptions_small.py), and
+ImageNet-C-bar's 10 and CIFAR-10-C-bar's 10 (pipeline/shifts/corruptions_bar.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.corruptions_bar import C_BAR_LEVELS, IMAGENET_C_BAR_CORRUPTIONS, corrupt_bar
-from fastanchor.pipeline.corruptions_small import CIFAR_C_CORRUPTIONS, corrupt_small
+from fastanchor.pipeline.shifts.corruptions_bar import C_BAR_LEVELS, IMAGENET_C_BAR_CORRUPTIONS, corrupt_bar
+from fastanchor.pipeline.shifts.corruptions_small import CIFAR_C_CORRUPTIONS, corrupt_small
 
 IMAGENET_C_CORRUPTIONS = (
     "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from PIL import Image
+
 from fastanchor.errors import DataError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
@@ -86,3 +88,13 @@ def check_image_file(path: Path) -> Path:
         what = "empty" if not head else "not a valid image"
         raise DataError(f"image file '{path}' is {what}: expected {suffix[1:].upper()} data")
     return path
+
+
+def load_rgb(path: str) -> Image.Image:
+    """The image at `path` decoded with PIL and converted to RGB (every mode: grayscale, palette, CMYK,
+    RGBA, 16-bit); an undecodable file raises DataError naming it."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot decode image '{path}': {error}") from None

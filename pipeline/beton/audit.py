@@ -15,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 
 from fastanchor.errors import DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.pipeline.imagefolder import IMAGE_EXTENSIONS, ImageFolderIndex
+from fastanchor.pipeline.datasets.imagefolder import IMAGE_EXTENSIONS, ImageFolderIndex
 
 _FORMAT_EXTENSIONS = {"JPEG": (".jpg", ".jpeg"), "PNG": (".png",), "BMP": (".bmp",), "WEBP": (".webp",),
                       "PPM": (".ppm",), "TIFF": (".tif", ".tiff")}

@@ -1,0 +1,1 @@
+"""Batch and sample augmentations: AugMix, PixMix, random erasing, mixup/cutmix, label noise."""

@@ -1,0 +1,3 @@
+"""Datasets: the ImageFolder index every loader reads, and the generators of the embedded, CIFAR and
+ImageNet-shaped trees.
+"""

@@ -1,0 +1,1 @@
+"""Distribution shifts: the corruptions (CIFAR-C, ImageNet-C-bar) and the evaluation sets built from them."""

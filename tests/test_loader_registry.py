@@ -1,0 +1,125 @@
+"""The loaders as one family: LoaderSpec checks every setting once, every registered loader keeps the Loader
+contract, and the trainer's builder and the loader benchmark both build through the registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastanchor.benchmarks import loaders as bench_loaders
+from fastanchor.errors import ConfigError
+from fastanchor.pipeline.beton.write import write_beton
+from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders import registry
+from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
+from fastanchor.pipeline.loaders.support import evaluation_is_sharded, iterate_from
+from fastanchor.trainer import build
+from fastanchor.trainer.config import Config, load_config
+
+GOOD = dict(batch_size=4, train=True, image_size=16, workers=0, device="cpu", drop_last=False)
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"batch_size": 0}, "batch_size"), ({"batch_size": 2.0}, "batch_size"), ({"image_size": 0}, "image_size"),
+    ({"image_size": 65536}, "image_size"), ({"crop_ratio": 1.5}, "crop_ratio"), ({"min_scale": 0.0}, "min_scale"),
+    ({"crop": "centre"}, "crop"), ({"padding": -1}, "padding"), ({"hflip": "no"}, "hflip"), ({"workers": -1}, "workers"),
+    ({"world_size": 0}, "world_size"), ({"rank": 2, "world_size": 2}, "rank"), ({"rank": -1}, "rank"),
+])
+def test_a_bad_setting_is_one_line_naming_it(bad, named):
+    with pytest.raises(ConfigError) as caught:
+        LoaderSpec(**{**GOOD, **bad})
+    message = str(caught.value)
+    assert message.startswith(f"{named} = {list(bad.values())[0]!r}:") and "\n" not in message
+    LoaderSpec(**GOOD)  # the good settings themselves pass
+    LoaderSpec(**{**GOOD, "rank": 1, "world_size": 2, "crop": "padded", "crop_ratio": 1.0, "min_scale": 1.0})
+
+
+def test_the_registry_names_the_three_loaders_and_refuses_others(tiny_dataset):
+    assert sorted(registry.LOADERS) == ["dali", "ffcv", "torchvision"] == sorted(registry.POLICIES)
+    with pytest.raises(ConfigError, match="data.loader = 'webdataset': expected one of torchvision, ffcv, dali"):
+        registry.make("webdataset", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
+    with pytest.raises(ConfigError, match="augment.auto_augment = 'randaugment' is not supported by data.loader = 'ffcv'"):
+        registry.check_loader_supports("ffcv", "randaugment")
+
+
+@pytest.mark.parametrize("name", ["torchvision", "ffcv", "dali"])
+def test_every_registered_loader_keeps_the_contract(name, tiny_dataset, tmp_path):
+    """uint8 channels-last NCHW and int64 labels on the device, len() batches, the epoch order a function of
+    (seed, epoch), iter_from(k) the epoch's batches from k on, set_image_size from the next epoch on."""
+    index = scan_image_folder(tiny_dataset / "train")
+    source = index
+    if name == "ffcv":
+        write_beton(index, tmp_path / "train.beton", workers=1, progress=False)
+        source = tmp_path / "train.beton"
+    spec = LoaderSpec(batch_size=10, train=True, image_size=16, workers=1, device="cpu", drop_last=False, seed=5)
+    loader = registry.make(name, source, spec)
+    assert isinstance(loader, Loader)
+    loader.set_epoch(1)
+    batches = list(loader)
+    assert len(batches) == len(loader) == -(-len(index) // 10)
+    for images, labels in batches:
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, 16, 16)
+        assert images.is_contiguous(memory_format=torch.channels_last) and labels.dtype == torch.int64
+    assert sorted(torch.cat([labels for _, labels in batches]).tolist()) == sorted(label for _, label in index.samples)
+    loader.set_epoch(1)
+    resumed = list(iterate_from(loader, 2))
+    assert [labels.tolist() for _, labels in resumed] == [labels.tolist() for _, labels in batches[2:]]
+    loader.set_image_size(24)
+    loader.set_epoch(2)
+    assert next(iter(loader))[0].shape[2:] == (24, 24)
+    assert evaluation_is_sharded(loader) is False  # one process
+
+
+def test_the_builder_and_the_loader_benchmark_build_through_the_registry(tiny_dataset):
+    """trainer/build.py's loaders and `bench loader`'s torchvision loader are the registry's, with the same
+    settings: the benchmark's batches are the training loader's, image for image (torchvision seeds each sample)."""
+    config = load_config(None, [f"data.root={tiny_dataset}", "data.workers=0", "data.batch_size=8", "data.image_size=16",
+                                "data.min_scale=0.35"])
+    index = scan_image_folder(tiny_dataset / "train")
+    spec = build.loader_spec(config.data, torch.device("cpu"), train=True, seed=7)
+    assert spec == LoaderSpec(batch_size=8, train=True, image_size=16, workers=0, device=torch.device("cpu"),
+                              drop_last=config.data.drop_last, seed=7, min_scale=0.35, crop=config.data.train_crop,
+                              padding=config.data.crop_padding)
+    trained = build.train_loader(config.data, index, torch.device("cpu"), 7)
+    assert type(trained) is type(registry.make("torchvision", index, spec))
+    evaluated = build.eval_loader(config.data, scan_image_folder(tiny_dataset / "val"), torch.device("cpu"))
+    assert type(evaluated) is type(trained) and len(evaluated) == -(-len(scan_image_folder(tiny_dataset / "val"))
+                                                                     // config.data.eval_batch_size)
+
+    request = bench_loaders.LoaderRequest(index, 8, 16, 0.35, 0, torch.device("cpu"), 7, beton=lambda: None)
+    assert bench_loaders.loader_spec(request) == LoaderSpec(batch_size=8, train=True, image_size=16, workers=0,
+                                                            device=torch.device("cpu"), drop_last=True, seed=7,
+                                                            min_scale=0.35)
+    benched = bench_loaders.make_loader("torchvision", request)
+    assert type(benched) is type(trained)
+    assert (config.data.train_crop, config.data.drop_last, config.data.crop_ratio) == ("random_resized", True, 0.875)
+    pairs = list(zip(benched, trained))
+    assert len(pairs) == len(trained) == len(index) // 8
+    for (bench_images, bench_labels), (train_images, train_labels) in pairs:
+        assert torch.equal(bench_images, train_images) and torch.equal(bench_labels, train_labels)
+
+
+def test_bench_step_builds_its_step_and_stage_from_the_recipe():
+    """`bench step --recipe` (and `bench e2e`, which uses the same TrainingSetup) builds model, optimiser, step and
+    stage with trainer/build.py from the recipe: its optimiser (demo: AdamW, not the default SGD), mixing, label
+    smoothing, batch augmentations and masking level reach what is timed."""
+    from fastanchor.benchmarks import end_to_end, train_step
+    from fastanchor.benchmarks.options import StepOptions
+
+    assert Config().optim.name == "sgd" and load_config("demo").optim.name == "adamw"
+    planned = train_step.plan(StepOptions(recipe="demo", device="cpu"), torch.device("cpu"))
+    assert planned.config.optim.name == "adamw" and planned.models == [train_step.model_at_resolution(planned.config)]
+    config = load_config("demo", ["augment.augmix=true", "augment.mixup_alpha=0.2", "optim.label_smoothing=0.1",
+                                  "optim.grad_clip=1.5"])
+    setup = train_step.TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
+                                     channels_last=False, compile=False, num_classes=4, seed=0, config=config)
+    step = setup.step
+    assert isinstance(step.optimizer, torch.optim.AdamW) and step.optimizer.param_groups[0]["lr"] == train_step.BENCH_LR
+    assert (step.mixer.mixup_alpha, step.label_smoothing, step.grad_clip) == (0.2, 0.1, 1.5)
+    stage = setup.stage(1.0, 3, torch.zeros(4, 3, 16, 16, dtype=torch.uint8))
+    assert stage.spec.mask_level == config.anchor.mask_level == "sample" and stage.spec.alpha == 1.0
+    assert list(stage.augment.steps) == ["augmix"]
+    batches = train_step.synthetic_batches(1, 4, 16, 4, torch.device("cpu"), 0)
+    measured = train_step.step_case("demo", setup, stage, batches, 1).run()
+    assert measured.items == 4 and measured.seconds > 0
+    assert end_to_end.TrainingSetup is train_step.TrainingSetup  # e2e times the same setup
