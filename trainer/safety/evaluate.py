@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
+from fastanchor.progress import progress_bar
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
 from fastanchor.pipeline.shifts.eval_sets import EvalSet, subset
 from fastanchor.pipeline.references import FixedReferenceSet
@@ -141,7 +141,7 @@ def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: d
     taps = taps or {}
     parts = {name: {"logits": [], "probs": [], "std": [], "react": []} for name in protocols}
     labels_seen, timings = [], {name: [] for name in protocols}  # (seconds, images) per batch
-    bar = tqdm(loader, desc=desc, leave=False, disable=not progress, unit="batch")
+    bar = progress_bar(loader, desc=desc, leave=False, enabled=progress, unit="batch")
     for images, labels in bar:
         labels_seen.append(labels.cpu())
         for name, protocol in protocols.items():
