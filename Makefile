@@ -1,9 +1,11 @@
 # make demo: install what is missing, then standard vs anchored training on the embedded dataset.
-# make test: the whole test suite (what CI runs); make test-fast: without the tests marked slow.
+# make test: the whole test suite (what CI runs), one worker per core; make test-fast: without the tests marked slow.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.fastanchor-installed
 APT_PACKAGES := libopencv-dev libturbojpeg0-dev pkg-config chromium chromium-driver
+# one pytest worker per core, each test file on one worker (its module fixtures built once); PARALLEL= runs serially
+PARALLEL ?= -n auto --dist loadfile
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test test-fast setup clean
@@ -12,10 +14,10 @@ demo: $(STAMP)
 	$(VENV)/bin/fastanchor demo $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(ARGS)
+	$(VENV)/bin/python -m pytest $(PARALLEL) $(ARGS)
 
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -m "not slow" $(ARGS)
+	$(VENV)/bin/python -m pytest $(PARALLEL) -m "not slow" $(ARGS)
 
 setup: $(STAMP)
 

@@ -11,6 +11,12 @@ from pathlib import Path
 # measured by `fastanchor bench`, never here. Set before numba is first imported (fastanchor.cli imports it).
 os.environ.setdefault("NUMBA_OPT", "0")
 
+# `make test` runs the suite in one worker process per core (pytest-xdist): each worker, and the CLI processes
+# its tests start, get an equal share of the cores instead of every one of them starting a thread per core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 import pytest  # noqa: E402
 
 from fastanchor.cli import main  # noqa: E402

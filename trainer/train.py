@@ -137,7 +137,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                            seed=config.eval.seed, dtype=run.step.autocast_dtype, progress=show, processes=processes,
                            flip=config.eval.flip_tta)
             record = {"epoch": epoch + 1, "step": at.step, "train_loss": run.losses.read_epoch(processes),
-                      "train_images_per_s": processes.world_size * trained.seen / (time.perf_counter() - trained.started),
+                      "train_images_per_s": processes.world_size * trained.seen / trained.seconds,
                       "skipped_steps": at.skipped, "resolution": trained.resolution,
                       "train_input_shape": trained.input_shape, **val}
             log(record)
@@ -161,6 +161,7 @@ class EpochStats:
     started: float  # time.perf_counter() when the epoch began
     shown_loss: float  # the last logged loss window, shown on the progress bar
     seen: int = 0  # images trained on by this process
+    seconds: float = 0.0  # the epoch's training time (its steps and mid-epoch checkpoints; validation not included)
     input_shape: list | None = None  # the network input's [C, H, W]
     stopped: bool = False  # train.max_steps was reached
 
@@ -203,6 +204,7 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
         if at.step == max_steps:
             stats.stopped = True
             break
+    stats.seconds = time.perf_counter() - stats.started
     return stats
 
 
