@@ -106,8 +106,7 @@ def _nvjpeg(request: LoaderRequest):
         raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
     from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
 
-    return NvjpegLoader(request.index, batch_size=request.batch_size, image_size=request.image_size,
-                        min_scale=request.min_scale, workers=request.workers, device=request.device, seed=request.seed)
+    return NvjpegLoader(request.index, loader_spec(request))
 
 
 register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _from_registry("ffcv", "FFCV"),

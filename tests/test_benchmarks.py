@@ -23,6 +23,7 @@ from fastanchor.benchmarks.results import describe_run, environment, validate_re
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.datasets import imagenet_shaped
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--repetitions", "2", "--warmup-rounds", "1", "--no-progress"]
@@ -231,7 +232,8 @@ def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path):
         for i, size in enumerate([(90, 60), (40, 70)]):
             Image.new("RGB", size, colour).save(tmp_path / name / f"{i}.jpg", quality=100)
     index = scan_image_folder(tmp_path)
-    loader = NvjpegLoader(index, batch_size=4, image_size=24, min_scale=0.35, workers=0, device="cpu", drop_last=False)
+    loader = NvjpegLoader(index, LoaderSpec(batch_size=4, train=True, image_size=24, min_scale=0.35, workers=0,
+                                           device="cpu", drop_last=False))
     seen = []
     for images, labels in loader:
         assert images.dtype == torch.uint8 and images.shape[1:] == (3, 24, 24)

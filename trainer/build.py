@@ -252,8 +252,7 @@ def inference_references(data: DataConfig, train_index: ImageFolderIndex, *, ref
 
 
 def loader_for(dataset: Dataset, data: DataConfig, device: torch.device) -> TorchvisionLoader:
-    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=data.workers, device=device)
+    return TorchvisionLoader(dataset, loader_spec(data, device, train=False))
 
 
 def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, ...]) -> list[EvalSet]:
