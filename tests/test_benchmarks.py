@@ -192,7 +192,7 @@ def test_step_benchmark(results):
 def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
     from fastanchor.cli.recipes import measured_throughput, recipes_markdown
 
-    result = bench("step", *COMMON, "--recipe", "cifar/cifar10_wrn40_2_anchored", "--batch-size", 2, "--steps", 1,
+    result = bench("step", *COMMON, "--config", "cifar/cifar10_wrn40_2_anchored", "--batch-size", 2, "--steps", 1,
                    "--out", tmp_path)
     wrn = ["cifar/cifar100_wrn40_2", "cifar/cifar100_wrn40_2_anchored", "cifar/cifar10_wrn40_2", "cifar/cifar10_wrn40_2_anchored"]
     assert result["config"]["recipes"] == wrn  # every recipe training WRN-40-2 at 32 px
@@ -221,6 +221,19 @@ def test_end_to_end_benchmark(tiny_dataset, results):
     assert (results / "e2e-cpu-tiny.json").exists()
     profile = (results / "e2e-cpu-tiny-profile.txt").read_text()  # where an anchored batch's time goes
     assert all(f"e2e: {part}" in profile for part in ("loader (wait for the next batch)", "anchoring stage", "training step"))
+
+
+def test_end_to_end_benchmark_of_a_recipe(tiny_dataset, tmp_path):
+    """`bench e2e --config RECIPE` runs the recipe's loader, model and batch (here the demo recipe at 16 px)."""
+    recipe = tmp_path / "small_demo.yaml"
+    recipe.write_text("base: demo\ndata:\n  image_size: 16\n  batch_size: 4\n")
+    result = bench("e2e", *COMMON, "--config", recipe, "--data", tiny_dataset / "train", "--images", 12, "--workers", 1,
+                   "--warmup-batches", 1, "--no-naive", "--out", tmp_path)
+    assert result["config"]["resolved"] == {"loader": "torchvision", "model": "fastanchor_resnet_tiny@16", "batch_size": 4,
+                                            "workers": 1}
+    assert sorted(cases(result)) == [f"fastanchor_resnet_tiny@16 {kind}" for kind in ("anchored", "standard")]
+    assert f"from the recipe {recipe}" in " ".join(result["notes"])
+    assert [path.name for path in tmp_path.glob("e2e-*.json")] == ["e2e-cpu-small_demo.json"]  # tagged by the recipe
 
 
 def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path):
