@@ -23,3 +23,11 @@ class TrainingError(FastAnchorError, RuntimeError):
 
 class ModelError(ConfigError):
     """A model name, option or model structure that fastanchor cannot use (a ConfigError: a ValueError)."""
+
+
+def check_all(checks, named, error: type[Exception] = ConfigError, end: str = "") -> None:
+    """Raise `error` for the first (name, ok, expected) of `checks` that is not ok, as one line
+    '<named(name)>: expected <expected><end>' (`named` gives the option and its value, e.g. "--seed = -1")."""
+    for name, ok, expected in checks:
+        if not ok:
+            raise error(f"{named(name)}: expected {expected}{end}")

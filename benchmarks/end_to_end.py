@@ -8,12 +8,17 @@
 One repetition is one epoch of the same images; the first `warmup_batches` of every epoch are not
 timed; the three run interleaved. Ratios: anchored/standard (the cost of anchoring as fastanchor
 does it) and anchored/naive (what on-device pairing saves).
+
+The loader comes from the pipeline's registry with trainer/build.py's LoaderSpec (benchmarks/loaders.py), the model,
+optimiser, step and stage from trainer/build.py's functions (benchmarks/train_step.py's TrainingSetup); with
+`--config RECIPE` both take the recipe's settings, as `fastanchor train` would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch.profiler import record_function
 
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
@@ -22,7 +27,7 @@ from fastanchor.benchmarks.loaders import (
     LoaderUnavailable, check_loader_names, describe_images, make_loader, make_request,
 )
 from fastanchor.benchmarks.options import EndToEndOptions, by_device, parse_model_at
-from fastanchor.benchmarks.train_step import TrainingSetup
+from fastanchor.benchmarks.train_step import TrainingSetup, model_at_resolution
 from fastanchor.kernels import anchor
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringStage, draw_mask, to_device_batch
 
@@ -51,18 +56,29 @@ def naive_batch(stage: AnchoringStage, pair) -> AnchoredBatch:
     return AnchoredBatch(anchor(images, references, masked, spec.mean, spec.std, stage.dtype), labels, masked)
 
 
+def e2e_settings(options: EndToEndOptions, device: torch.device):
+    """(recipe config or None, loader name, model, image size, batch size): --loader, --model and --batch-size where
+    given, else the recipe's (data.loader, its model at its first-epoch resolution, data.batch_size), else by device.
+    With a recipe, its train.amp and train.channels_last replace the options'."""
+    cuda = device.type == "cuda"
+    config = options.recipe_config()
+    if config is None:
+        model_at = parse_model_at(by_device(options.model, "fastanchor_resnet_tiny@64", "resnet50@176", cuda))
+        return None, by_device(options.loader, "ffcv", "nvjpeg", cuda), *model_at, by_device(options.batch_size, 64, 256, cuda)
+    options.amp, options.channels_last = config.train.amp, config.train.channels_last
+    model_at = parse_model_at(options.model) if options.model else model_at_resolution(config)
+    return config, options.loader or config.data.loader, *model_at, options.batch_size or config.data.batch_size
+
+
 def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
     options.validate()
     apply_threads(options)
     device = resolve_device(options.device)
-    cuda = device.type == "cuda"
-    loader_name = by_device(options.loader, "ffcv", "nvjpeg", cuda)
-    model, image_size = parse_model_at(by_device(options.model, "fastanchor_resnet_tiny@64", "resnet50@176", cuda))
-    batch_size = by_device(options.batch_size, 64, 256, cuda)
+    config, loader_name, model, image_size, batch_size = e2e_settings(options, device)
     check_loader_names([loader_name])
-    request = make_request(options, device, batch_size=batch_size, image_size=image_size)
+    request = make_request(options, device, batch_size=batch_size, image_size=image_size, recipe=config)
     common = dict(device=device, amp=options.amp, channels_last=options.channels_last, compile=options.compile,
-                  num_classes=len(request.index.classes), seed=options.seed)
+                  num_classes=len(request.index.classes), seed=options.seed, config=config)
     standard = TrainingSetup(model, image_size, anchored=False, **common)
     anchored = TrainingSetup(model, image_size, anchored=True, **common)
     standard_stage, anchored_stage = standard.stage(options.alpha, options.seed), anchored.stage(options.alpha, options.seed)
@@ -106,7 +122,10 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
     notes = [f"loader {loader_name} over {images['images']} JPEGs (mean {images['mean_bytes'] / 1000:.1f} KB, "
              f"{images['mean_width']:.0f} x {images['mean_height']:.0f} px), {request.workers} workers; {model} at "
              f"{image_size} px, batch {batch_size}, amp {options.amp}, channels-last {options.channels_last}; anchored "
-             f"with alpha {options.alpha}; one epoch per repetition, first {options.warmup_batches} batches untimed"]
+             f"with alpha {options.alpha}; one epoch per repetition, first {options.warmup_batches} batches untimed; built by "
+             f"trainer/build.py from {f'the recipe {options.recipe}' if config else 'the default config'}"]
+    if config is not None:
+        options.tag = options.tag or options.recipe_tag()
     result, paths = run_and_write("e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
                                   config_extra={"resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
                                                              "workers": request.workers}, "dataset": images})

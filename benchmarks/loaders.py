@@ -21,6 +21,7 @@ library is missing is reported as not available, with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from fastanchor.errors import ConfigError
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.loaders import registry
 from fastanchor.pipeline.loaders.spec import LoaderSpec
+from fastanchor.trainer.config import AugmentConfig, Config, DataConfig
 
 UNIT = "images/s"
 
@@ -58,6 +60,7 @@ class LoaderRequest:
     device: torch.device
     seed: int
     beton: Callable[[], Path]  # the .beton of `index`, written on first call
+    recipe: Config | None = None  # whose data.* (crop, flip, policy, FFCV order) and augment.* the loaders take
 
 
 @dataclass(frozen=True)
@@ -76,20 +79,34 @@ def register_loader(entry: LoaderEntry) -> None:
     LOADERS[entry.name] = entry
 
 
+def request_data(request: LoaderRequest) -> DataConfig:
+    """The data.* of the recipe (the defaults without one) with the benchmark's batch, size, workers and scale."""
+    data = request.recipe.data if request.recipe is not None else DataConfig()
+    return dataclasses.replace(data, batch_size=request.batch_size, image_size=request.image_size,
+                               workers=request.workers, min_scale=request.min_scale, drop_last=True)
+
+
 def loader_spec(request: LoaderRequest) -> LoaderSpec:
-    """The LoaderSpec training would use for these settings: a training loader (random-resized crop, flip,
-    drop last)."""
-    return LoaderSpec(batch_size=request.batch_size, train=True, image_size=request.image_size, workers=request.workers,
-                      device=request.device, drop_last=True, seed=request.seed, min_scale=request.min_scale)
+    """The LoaderSpec training would use for these settings, made by trainer/build.py's `loader_spec`: a training
+    loader (the recipe's crop, flip and policy; without one random-resized crop and flip), dropping the last batch."""
+    from fastanchor.trainer import build
+
+    augment = request.recipe.augment if request.recipe is not None else AugmentConfig()
+    return build.loader_spec(request_data(request), request.device, train=True, seed=request.seed,
+                             policy=augment.auto_augment, hflip=augment.hflip)
 
 
 def _from_registry(name: str, library: str) -> Callable[[LoaderRequest], Iterable]:
-    """Build loader `name` as training does: the pipeline's registry (pipeline/loaders/registry.py) with a LoaderSpec."""
+    """Build loader `name` as training does: the pipeline's registry (pipeline/loaders/registry.py) with the LoaderSpec
+    and the loader's own knobs of trainer/build.py."""
 
     def make(request: LoaderRequest):
+        from fastanchor.trainer import build
+
         try:
             source = request.beton() if name == "ffcv" else request.index
-            return registry.make(name, source, loader_spec(request))
+            return registry.make(name, source, loader_spec(request),
+                                 **build.loader_knobs(request_data(request), name, train=True))
         except ImportError as error:
             raise LoaderUnavailable(f"{library} is not importable ({error})") from None
         except RuntimeError as error:  # e.g. a DALI build without this device's backend
@@ -106,8 +123,7 @@ def _nvjpeg(request: LoaderRequest):
         raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
     from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
 
-    return NvjpegLoader(request.index, batch_size=request.batch_size, image_size=request.image_size,
-                        min_scale=request.min_scale, workers=request.workers, device=request.device, seed=request.seed)
+    return NvjpegLoader(request.index, loader_spec(request))
 
 
 register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _from_registry("ffcv", "FFCV"),
@@ -248,8 +264,10 @@ def decode_limit_case(name: str, blobs: Callable[[], list[bytes]], *, image_size
 # The benchmark
 # --------------------------------------------------------------------------------------------
 
-def make_request(options: ImageDataOptions, device: torch.device, *, batch_size: int, image_size: int) -> LoaderRequest:
-    """What every loader of a benchmark is built from: the same images, sizes, workers and seed."""
+def make_request(options: ImageDataOptions, device: torch.device, *, batch_size: int, image_size: int,
+                 recipe: Config | None = None) -> LoaderRequest:
+    """What every loader of a benchmark is built from: the same images, sizes, workers and seed (and the `recipe`'s
+    data and augmentation settings, its min_scale included, where one is given)."""
     workers = options.workers or usable_cpus()
     index = subset_index(scan_image_folder(options.data), options.images, options.seed)
     if len(index) < batch_size * (options.warmup_batches + 1):
@@ -265,7 +283,8 @@ def make_request(options: ImageDataOptions, device: torch.device, *, batch_size:
                                        progress=options.progress))
         return written[0]
 
-    return LoaderRequest(index, batch_size, image_size, options.min_scale, workers, device, options.seed, beton)
+    min_scale = recipe.data.min_scale if recipe is not None else options.min_scale
+    return LoaderRequest(index, batch_size, image_size, min_scale, workers, device, options.seed, beton, recipe)
 
 
 def check_loader_names(names: list[str]) -> None:

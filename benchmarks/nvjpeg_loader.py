@@ -13,26 +13,20 @@ import warnings
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from fastanchor.benchmarks.crops import random_resized_crop_box
-from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, IndexedFiles
+from fastanchor.pipeline.loaders.spec import LoaderSpec, checked_spec
 
 
-class JpegBytes(Dataset):
+class JpegBytes(IndexedFiles):
     """(uint8 1-D tensor of a file's bytes, label) per sample: reading only, no decoding."""
 
-    def __init__(self, index: ImageFolderIndex):
-        self.samples = index.samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int):
-        path, label = self.samples[i]
-        return torch.from_numpy(np.fromfile(path, dtype=np.uint8)), label
+    def read(self, path: str) -> torch.Tensor:
+        return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 
 
 def _keep_bytes_apart(items):
@@ -41,17 +35,21 @@ def _keep_bytes_apart(items):
 
 
 class NvjpegLoader:
-    """Iterates (uint8 channels-last images [B, 3, s, s], int64 labels) decoded on `device`."""
+    """Iterates (uint8 channels-last images [B, 3, s, s], int64 labels) decoded on the spec's device: a training
+    loader (shuffled; random-resized crop of area scale >= min_scale, flip) with the spec's batch_size, drop_last,
+    workers and seed; one process (no shards)."""
 
-    def __init__(self, index: ImageFolderIndex, *, batch_size: int, image_size: int, min_scale: float, workers: int,
-                 device: torch.device | str, seed: int = 0, drop_last: bool = True):
-        self.device = torch.device(device)
-        self.image_size = image_size
-        self.min_scale = min_scale
-        self.rng = np.random.default_rng(seed)  # crops and flips
-        self.loader = DataLoader(JpegBytes(index), batch_size=batch_size, shuffle=True, drop_last=drop_last,
+    def __init__(self, index: ImageFolderIndex, spec: LoaderSpec):
+        spec = checked_spec(spec)
+        workers = spec.workers
+        self.device = torch.device(spec.device)
+        self.image_size = spec.image_size
+        self.min_scale = spec.min_scale
+        self.rng = np.random.default_rng(spec.seed)  # crops and flips
+        self.loader = DataLoader(JpegBytes(index), batch_size=spec.batch_size, shuffle=True, drop_last=spec.drop_last,
                                  num_workers=workers, persistent_workers=workers > 0, collate_fn=_keep_bytes_apart,
-                                 generator=torch.Generator().manual_seed(seed), prefetch_factor=4 if workers > 0 else None)
+                                 generator=torch.Generator().manual_seed(spec.seed),
+                                 prefetch_factor=4 if workers > 0 else None)
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import option
-from fastanchor.trainer.flags import OnDevice, Recipe
+from fastanchor.trainer.flags import Checked, OnDevice, Recipe
 
 LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg")  # the built-in entries of benchmarks.loaders.LOADERS
 OP_PATHS = ("torch", "triton", "numba")
@@ -38,29 +38,58 @@ def by_device(value, cpu, gpu, cuda: bool):
 
 
 @dataclass
-class CommonOptions(OnDevice):
+class BenchRun(Checked, OnDevice):
+    """What every benchmark that writes result files takes: the device, torch's CPU threads, a tag naming the
+    configuration (a suffix of the file names; fidelity: a sub-directory of --out), progress bars."""
+
+    threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
+    tag: str = option("", "names this configuration's results: a file-name suffix (fidelity: a sub-directory of --out)")
+    progress: bool = option(True, "progress bars with the latest figure")
+
+    def checks(self):
+        return super().checks() + [
+            ("threads", self.threads >= 0, "0 (torch's default) or a positive number of threads"),
+            ("tag", all(c.isalnum() or c in "-_." for c in self.tag), "letters, digits, '-', '_' or '.' only"),
+        ]
+
+
+@dataclass
+class FromRecipe(Checked):
+    """--config: the recipe a benchmark builds its step (and e2e its loader) from with trainer/build.py's functions."""
+
+    recipe: str = option("", "recipe to build from: a name under configs/ or a YAML file ('': the built-in settings)",
+                         flag=("--config", "--recipe"), metavar="CONFIG")
+
+    def recipe_config(self):
+        """The recipe's Config, validated (None without --config)."""
+        from fastanchor.trainer.config import load_config
+
+        return load_config(self.recipe) if self.recipe else None
+
+    def recipe_tag(self) -> str:
+        """The result files' tag for the recipe: its name with '/' as '_' (a YAML file: the file's name)."""
+        if self.recipe.endswith((".yaml", ".yml")):
+            return self.recipe.replace("\\", "/").rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        return self.recipe.replace("/", "_")
+
+    def checks(self):
+        self.recipe_config()  # one line naming an unknown or bad recipe
+        return super().checks()
+
+
+@dataclass
+class CommonOptions(BenchRun):
     repetitions: int = option(5, "recorded repetitions of every case (rounds, interleaved A B A B ...)")
     warmup_rounds: int = option(1, "rounds run first and not recorded (compilation, caches, worker start-up)")
     seed: int = option(0, "seed of data order, crops, weights, references and masking")
-    threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
     out: str = option("benchmarks/results", "directory of the result files <benchmark>-<device>[-<tag>].{json,md,png}")
-    tag: str = option("", "suffix of the result file names (e.g. a configuration's name)")
-    progress: bool = option(True, "progress bars with the latest figure")
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad option."""
-        for name, ok, expected in self.checks():
-            if not ok:
-                raise ConfigError(f"--{name.replace('_', '-')} = {getattr(self, name)!r}: expected {expected}")
 
     def checks(self) -> list[tuple[str, bool, str]]:
         return [
             ("repetitions", self.repetitions >= 1, "at least 1"),
             ("warmup_rounds", self.warmup_rounds >= 0, "0 or more"),
             ("seed", self.seed >= 0, "a non-negative integer"),
-            ("threads", self.threads >= 0, "0 (torch's default) or a positive number of threads"),
-            ("tag", all(c.isalnum() or c in "-_." for c in self.tag), "letters, digits, '-', '_' or '.' only"),
-        ]
+        ] + super().checks()
 
 
 @dataclass
@@ -87,7 +116,7 @@ class SyntheticOptions(TrainingOptions):
 
 
 @dataclass
-class DataOptions:
+class DataOptions(Checked):
     root: str = option("data/imagenet_shaped", "where the dataset is written (its train split is <root>/train)")
     num_classes: int = option(1000, "class folders (ImageNet: 1000)")
     images_per_class: int = option(20, "JPEGs per class")
@@ -97,9 +126,8 @@ class DataOptions:
     workers: int = option(0, "threads that render and encode (0: one per CPU core, at most 8)")
     progress: bool = option(True, "progress bar")
 
-    def validate(self) -> None:
-        if self.workers < 0:
-            raise ConfigError(f"--workers = {self.workers!r}: expected 0 (one per core) or a positive count")
+    def checks(self):
+        return super().checks() + [("workers", self.workers >= 0, "0 (one per core) or a positive count")]
 
 
 @dataclass
@@ -171,19 +199,17 @@ class OpOptions(SyntheticOptions):
 
 
 @dataclass
-class StepOptions(SyntheticOptions):
+class StepOptions(SyntheticOptions, FromRecipe):
+    """With --config RECIPE the step is the recipe's: its model at its first-epoch resolution, batch size, optimiser,
+batch augmentations, mixing, precision and anchoring settings (instead of --models)."""
+
     models: str = option("", "comma-separated <model>@<size> ('': by device, see docs/benchmarks.md)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
-    recipe: str = option("", "a recipe under configs/ to time instead of --models (e.g. imagenet/rn50_16_epochs)")
 
     def checks(self):
         for text in names_list(self.models):
             parse_model_at(text)
-        if self.recipe:
-            from fastanchor.trainer.config import load_config
-
-            load_config(self.recipe)  # one line naming an unknown recipe
         return super().checks() + [
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2 (a derangement needs 2)"),
             ("steps", self.steps >= 0, "0 (by device) or a positive count"),
@@ -191,7 +217,11 @@ class StepOptions(SyntheticOptions):
 
 
 @dataclass
-class EndToEndOptions(ImageDataOptions, TrainingOptions):
+class EndToEndOptions(ImageDataOptions, TrainingOptions, FromRecipe):
+    """With --config RECIPE the loader, model, step and stage are built from the recipe as `fastanchor train` builds
+them: its data.loader, crop, flip and policy, its model at its first-epoch resolution, batch size, optimiser, batch
+augmentations, mixing and precision (--loader, --model, --batch-size still choose where given)."""
+
     loader: str = option("", "the loader feeding the step: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
     model: str = option("", "<model>@<size> trained (default: fastanchor_resnet_tiny@64 on CPU, resnet50@176 on CUDA)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
@@ -214,7 +244,7 @@ ARM_NAMES = ("standard", "vanilla", "masking", "control-standard", "control-vani
 
 
 @dataclass
-class FidelityOptions(Recipe, OnDevice):
+class FidelityOptions(Recipe, BenchRun):
     """Standard, vanilla-anchored and masked training through the trainer and through a plain-torch control.
 --config and --set apply to every arm; the control follows the settings it has."""
 
@@ -226,23 +256,15 @@ class FidelityOptions(Recipe, OnDevice):
     masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms (update: the paper's plain BatchNorm, "
                                              "as the control)", choices=("update", "skip"))
     keep_checkpoints: bool = option(False, "keep the trainer arms' checkpoints (default: deleted once evaluated)")
-    threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
     out: str = option("benchmarks/results/fidelity", "directory of the result files (<out>[/<tag>]/fidelity-<device>.{json,md,png} and runs/)")
-    tag: str = option("", "sub-directory of --out for this configuration")
-    progress: bool = option(True, "progress bars with images/s")
 
-    def validate(self) -> None:
+    def checks(self):
         unknown = [arm for arm in names_list(self.arms) if arm not in ARM_NAMES]
         severities = names_list(self.severities)
-        checks = [
+        return [
             ("arms", bool(names_list(self.arms)) and not unknown, f"names from {', '.join(ARM_NAMES)}"),
             ("seeds", self.seeds >= 1, "at least 1"),
             ("epochs", self.epochs >= 0, "0 (the recipe's) or a positive count"),
             ("severities", all(s.isdigit() and 1 <= int(s) <= 5 for s in severities), "comma-separated integers 1 to 5"),
             ("masked_batchnorm", self.masked_batchnorm in ("update", "skip"), "update or skip"),
-            ("threads", self.threads >= 0, "0 (torch's default) or a positive number of threads"),
-            ("tag", all(c.isalnum() or c in "-_." for c in self.tag), "letters, digits, '-', '_' or '.' only"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"--{name.replace('_', '-')} = {getattr(self, name)!r}: expected {expected}")
+        ] + super().checks()

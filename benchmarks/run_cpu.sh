@@ -38,7 +38,7 @@ if [[ $stage == all || $stage == recipes ]]; then
     # one recipe per model and resolution (the result names every recipe it stands for), at batch 8 on a CPU
     for recipe in imagenet/rn50_16_epochs imagenet/rn18_16_epochs imagenet/vit_b16 imagenet/swinv2_t imagenet/swinv2_s imagenet/swinv2_b \
                   cifar/cifar10_resnet18 cifar/cifar10_wrn40_2; do
-        bench step --device cpu --repetitions 3 --out "$RESULTS" --recipe "$recipe" --batch-size 8 --steps 2
+        bench step --device cpu --repetitions 3 --out "$RESULTS" --config "$recipe" --batch-size 8 --steps 2
     done
 fi
 if [[ $stage == all || $stage == e2e ]]; then

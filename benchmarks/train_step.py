@@ -5,7 +5,7 @@ A step is the trainer's: the anchoring stage turns the uint8 batch into the netw
 only for standard; pair with an in-batch derangement, mask, build [r, x - r] for anchored), then the
 trainer's `TrainStep` (trainer/step.py: forward under autocast, the anchored cross-entropy, scaled
 backward, optimiser step), built by trainer/build.py's functions (build_model, make_optimizer, make_step,
-make_stage) from the default config, or with `--recipe` from the recipe's (its optimiser, batch augmentations,
+make_stage) from the default config, or with `--config` from the recipe's (its optimiser, batch augmentations,
 mixing, precision and anchoring settings). Three cases per model:
 
     standard            3-channel model, normalised input
@@ -100,8 +100,8 @@ class StepPlan:
     models: list[tuple[str, int]]
     batch_size: int
     steps: int
-    recipes: list[str]  # the recipes whose model and training resolution are measured (with --recipe)
-    config: Config | None = None  # the recipe's config (with --recipe): its optimiser, augmentation and precision
+    recipes: list[str]  # the recipes whose model and training resolution are measured (with --config)
+    config: Config | None = None  # the recipe's config (with --config): its optimiser, augmentation and precision
 
 
 def model_at_resolution(config: Config) -> tuple[str, int]:
@@ -121,10 +121,8 @@ def recipes_training(model_at: tuple[str, int]) -> list[str]:
 def plan(options: StepOptions, device: torch.device) -> StepPlan:
     cuda = device.type == "cuda"
     steps = by_device(options.steps, 5, 20, cuda)
-    if options.recipe:
-        from fastanchor.trainer.config import load_config
-
-        config = load_config(options.recipe)
+    config = options.recipe_config()
+    if config is not None:
         options.amp, options.channels_last = config.train.amp, config.train.channels_last
         model_at = model_at_resolution(config)
         return StepPlan([model_at], options.batch_size or config.data.batch_size, steps, recipes_training(model_at), config)
@@ -172,7 +170,7 @@ def run_step_benchmark(options: StepOptions, command: str):
              f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; built by trainer/build.py (build_model, make_optimizer, make_step, make_stage) from "
              f"{'the recipe' if options.recipe else 'the default config'}, learning rate {BENCH_LR}"]
     if options.recipe:
-        options.tag = options.tag or options.recipe.replace("/", "_")
+        options.tag = options.tag or options.recipe_tag()
         notes.append(f"recipe {options.recipe}: its model at its first-epoch training resolution; the figures stand for "
                      f"{', '.join(chosen.recipes)}")
     return run_and_write("step", options, cases=cases, derived=derived, device=device, command=command, notes=notes,

@@ -14,7 +14,7 @@ optim.lr_batch and scaled linearly to the actual one, so a command adds
 
 Measured throughput comes only from benchmark result files (`benchmarks/results/*.json`, the
 `fastanchor-bench-v1` schema) whose config names the recipe among its ``"recipes"`` (written by
-`fastanchor bench step --recipe NAME`: every recipe training that model at that resolution); the
+`fastanchor bench step --config NAME`: every recipe training that model at that resolution); the
 figure shown is the case of the recipe's kind (standard, or anchored without masking). A recipe
 without one reads "not yet measured".
 """

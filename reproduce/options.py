@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import option
-from fastanchor.trainer.flags import OnDevice
+from fastanchor.trainer.flags import Checked, OnDevice
 
 SCALES = ("tiny", "small", "cifar", "imagenet")
 
@@ -28,7 +27,7 @@ class ReproduceFlags(OnDevice):
 
 
 @dataclass
-class ReproduceOptions(ReproduceFlags):
+class ReproduceOptions(ReproduceFlags, Checked):
     """Each experiment trains and evaluates its runs into <out>/<experiment>/<run>/ and writes result.json,
 result.md and result.png beside them."""
 
@@ -51,7 +50,10 @@ result.md and result.png beside them."""
 
         if self.experiment not in EXPERIMENTS:
             raise unknown_experiment(self.experiment)
-        checks = [
+        super().validate()
+
+    def checks(self):
+        return super().checks() + [
             ("scale", self.scale in SCALES, ", ".join(SCALES)),
             ("seeds", self.seeds >= 0, "0 (the experiment's default) or a positive count"),
             ("max_runs", self.max_runs >= 0, "0 (all) or a positive count"),
@@ -59,6 +61,3 @@ result.md and result.png beside them."""
              f"the data root (--data ROOT) at scale {self.effective_scale}: docs/reproduce.md lists what it holds"),
             ("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"), "auto, cpu, cuda or cuda:N"),
         ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"--{name.replace('_', '-')} = {getattr(self, name)!r}: expected {expected}")

@@ -233,6 +233,7 @@ def test_padded_crop_is_a_shift_of_the_image_or_its_mirror_in_a_black_frame(load
 def test_dali_policies_change_images_per_sample(policy, tiny_dataset):
     """DALI's auto_aug in the loader: with no policy every image is its source or its mirror; with one, some are not."""
     from fastanchor.pipeline.loaders.dali import DALILoader
+    from fastanchor.pipeline.loaders.spec import LoaderSpec
     from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
     from fastanchor.pipeline.datasets.imagefolder import load_rgb
 
@@ -241,8 +242,8 @@ def test_dali_policies_change_images_per_sample(policy, tiny_dataset):
     plain_or_mirrored = np.concatenate([sources, sources[:, :, ::-1]])
 
     def untouched(policy_name: str) -> list[bool]:
-        loader = DALILoader(index, batch_size=16, train=True, image_size=32, crop="padded", padding=0,
-                            policy=policy_name, workers=1, device="cpu", seed=0, drop_last=True)
+        loader = DALILoader(index, LoaderSpec(batch_size=16, train=True, image_size=32, crop="padded", padding=0,
+                                               policy=policy_name, workers=1, device="cpu", seed=0, drop_last=True))
         images, _ = next(iter(loader))
         return [bool((plain_or_mirrored == out).all(axis=(1, 2, 3)).any()) for out in images.permute(0, 2, 3, 1).numpy()]
 

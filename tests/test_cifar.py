@@ -14,6 +14,7 @@ import torch
 
 from conftest import run_main
 from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR100_NAMES = ["maple_tree", "apple", "tulip", "bear"]  # not alphabetical: folders get label prefixes
@@ -82,8 +83,8 @@ def cifar_overrides(cifar_dir: Path, root: Path, **extra) -> list[str]:
 
 def decode_eval(beton: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Every image of a .beton in file order, eval-decoded at 32 px with crop_ratio 1 (no crop, no resize)."""
-    loader = FFCVLoader(beton, batch_size=16, train=False, image_size=32, crop_ratio=1.0, workers=1, device="cpu",
-                        drop_last=False)
+    loader = FFCVLoader(beton, LoaderSpec(batch_size=16, train=False, image_size=32, crop_ratio=1.0, workers=1,
+                                         device="cpu", drop_last=False))
     batches = list(loader)
     return torch.cat([images for images, _ in batches]), torch.cat([labels for _, labels in batches])
 

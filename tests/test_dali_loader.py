@@ -19,6 +19,7 @@ from PIL import Image
 from conftest import run_main, tiny_overrides
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.loaders.dali import DALILoader, shard_bounds
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 
@@ -52,7 +53,7 @@ def check_contract(images: torch.Tensor, labels: torch.Tensor, size: int, device
 
 def eval_loader(index, **kwargs) -> DALILoader:
     options = dict(batch_size=10, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False)
-    return DALILoader(index, **{**options, **kwargs})
+    return DALILoader(index, LoaderSpec(**{**options, **kwargs}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,8 +146,8 @@ def test_eval_shards_cover_the_dataset_once(indexes):
 def test_train_shards_are_disjoint_and_equally_long(indexes):
     train, _ = indexes
     for num_shards, padding in ((2, 0), (5, 2)):  # 48 = 2 x 24; 5 x 10 = 48 + 2 repeated (DistributedSampler's way)
-        loaders = [DALILoader(train, batch_size=4, train=True, image_size=16, workers=1, device="cpu", seed=3,
-                              drop_last=False, rank=k, world_size=num_shards) for k in range(num_shards)]
+        loaders = [DALILoader(train, LoaderSpec(batch_size=4, train=True, image_size=16, workers=1, device="cpu", seed=3,
+                                                 drop_last=False, rank=k, world_size=num_shards)) for k in range(num_shards)]
         orders = [loader.epoch_order(1) for loader in loaders]
         per_shard = math.ceil(48 / num_shards)
         assert {loader.num_samples for loader in loaders} == {per_shard}
@@ -169,8 +170,8 @@ def test_train_order_and_augmentation_reproducible_per_seed_and_epoch(indexes):
     train, _ = indexes
 
     def epoch(epoch, workers=1, seed=7):
-        loader = DALILoader(train, batch_size=10, train=True, image_size=24, workers=workers, device="cpu", seed=seed,
-                            drop_last=False)
+        loader = DALILoader(train, LoaderSpec(batch_size=10, train=True, image_size=24, workers=workers, device="cpu",
+                                               seed=seed, drop_last=False))
         loader.set_epoch(epoch)
         batches = list(loader)
         for images, labels in batches:
@@ -214,8 +215,8 @@ def test_train_crops_and_flips(tmp_path):
     index = scan_image_folder(tmp_path)
 
     def images(min_scale, hflip=True):
-        loader = DALILoader(index, batch_size=40, train=True, image_size=SIZE, min_scale=min_scale, hflip=hflip,
-                            workers=2, device="cpu", seed=1, drop_last=False)
+        loader = DALILoader(index, LoaderSpec(batch_size=40, train=True, image_size=SIZE, min_scale=min_scale, hflip=hflip,
+                                               workers=2, device="cpu", seed=1, drop_last=False))
         return next(iter(loader))[0].float()
 
     whole = images(1.0)
@@ -269,8 +270,8 @@ def test_bad_folders_and_files_raise_one_line(indexes, tmp_path):
     index = ImageFolderIndex(val.root, val.classes, samples)
     for train in (False, True):
         with pytest.raises(DataError) as caught:
-            list(DALILoader(index, batch_size=4, train=train, image_size=SIZE, workers=1, device="cpu",
-                            drop_last=False))
+            list(DALILoader(index, LoaderSpec(batch_size=4, train=train, image_size=SIZE, workers=1, device="cpu",
+                                              drop_last=False)))
         assert f"'{broken}'" in str(caught.value) and "\n" not in str(caught.value)
 
     options = dict(batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False)
@@ -278,7 +279,7 @@ def test_bad_folders_and_files_raise_one_line(indexes, tmp_path):
                       ({"batch_size": 0}, "batch_size"), ({"crop_ratio": 1.5}, "crop_ratio"),
                       ({"min_scale": 0.0}, "min_scale"), ({"workers": -1}, "workers"), ({"hflip": "no"}, "hflip")):
         with pytest.raises(ConfigError, match=what):
-            DALILoader(val, **{**options, **bad})
+            DALILoader(val, LoaderSpec(**{**options, **bad}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +297,8 @@ def test_mixed_decoding_on_cuda_matches_the_cpu_path(indexes):
         check_contract(gpu_images, gpu_labels, SIZE, device="cuda")
         assert torch.equal(labels, gpu_labels.cpu())
         assert (images.float() - gpu_images.cpu().float()).abs().mean() < 3
-    loader = DALILoader(train, batch_size=10, train=True, image_size=24, workers=2, device="cuda", drop_last=False)
+    loader = DALILoader(train, LoaderSpec(batch_size=10, train=True, image_size=24, workers=2, device="cuda",
+                                         drop_last=False))
     labels = []
     for images, batch_labels in loader:
         check_contract(images, batch_labels, 24, device="cuda")
@@ -316,8 +318,8 @@ def test_trainer_and_evaluation_on_dali_by_one_config_key(tiny_dataset, tmp_path
     built = []  # (root, train) of every DALILoader the commands build (the real class, observed)
     real_init = DALILoader.__init__
 
-    def observed_init(self, index, **kwargs):
-        real_init(self, index, **kwargs)
+    def observed_init(self, index, spec, **kwargs):
+        real_init(self, index, spec, **kwargs)
         built.append((self.index.root.name, self.train))
 
     monkeypatch.setattr(DALILoader, "__init__", observed_init)

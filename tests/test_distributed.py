@@ -11,6 +11,7 @@ import torch
 
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
 from fastanchor.trainer.checkpoint import checkpoint_name
 
@@ -104,8 +105,9 @@ def test_sharded_torchvision_batches_match_one_process_image_for_image(tiny_data
     dataset = DecodedImages(scan_image_folder(tiny_dataset / "train"), train_transform(32, 0.35))
 
     def batches(batch_size, rank=0, world_size=1, workers=0, first=0):
-        loader = TorchvisionLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, workers=workers,
-                                   device="cpu", seed=5, rank=rank, world_size=world_size)
+        loader = TorchvisionLoader(dataset, LoaderSpec(batch_size=batch_size, train=True, image_size=32, drop_last=True,
+                                                      workers=workers, device="cpu", seed=5, rank=rank,
+                                                      world_size=world_size))
         loader.set_epoch(2)
         return list(loader.iter_from(first))
 

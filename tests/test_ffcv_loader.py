@@ -19,6 +19,7 @@ pytest.importorskip("ffcv", reason="ffcv (the 'ffcv' extra) is not installed")
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.beton import write as beton_write
 from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.beton.inspect import inspect_beton
 from fastanchor.pipeline.beton.write import write_beton
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
@@ -51,8 +52,8 @@ def betons(tmp_path_factory, indexes):
 def eval_batches(betons):
     """Two eval epochs of val.beton (batch 10, no drop_last), all batches kept."""
     paths, _ = betons
-    loader = FFCVLoader(paths["val"], batch_size=10, train=False, image_size=SIZE, workers=2, device="cpu",
-                        drop_last=False)
+    loader = FFCVLoader(paths["val"], LoaderSpec(batch_size=10, train=False, image_size=SIZE, workers=2,
+                                                   device="cpu", drop_last=False))
     return loader, [list(loader), list(loader)]
 
 
@@ -202,8 +203,8 @@ def test_eval_loader_drop_last_and_single_sample_batch(betons, indexes):
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        dropped = FFCVLoader(paths["val"], batch_size=10, train=False, image_size=SIZE, workers=1, device="cpu",
-                             drop_last=True)
+        dropped = FFCVLoader(paths["val"], LoaderSpec(batch_size=10, train=False, image_size=SIZE, workers=1,
+                                                        device="cpu", drop_last=True))
         batches = list(dropped)
         assert torch.get_num_threads() == 3  # FFCV's global torch.set_num_threads(workers) is undone
     finally:
@@ -212,8 +213,8 @@ def test_eval_loader_drop_last_and_single_sample_batch(betons, indexes):
     assert [len(labels) for _, labels in batches] == [10, 10]
     assert torch.cat([labels for _, labels in batches]).tolist() == source_labels(val)[:20]
 
-    odd = FFCVLoader(paths["val"], batch_size=23, train=False, image_size=SIZE, workers=1, device="cpu",
-                     drop_last=False, os_cache=False)  # FFCV's process cache instead of the OS's
+    odd = FFCVLoader(paths["val"], LoaderSpec(batch_size=23, train=False, image_size=SIZE, workers=1, device="cpu",
+                                                drop_last=False), os_cache=False)  # FFCV's process cache instead of the OS's
     batches = list(odd)
     assert len(odd) == 2 and [tuple(labels.shape) for _, labels in batches] == [(23,), (1,)]
     assert batches[1][0].shape == (1, 3, SIZE, SIZE)
@@ -224,8 +225,8 @@ def test_train_loader_order_augmentation_and_progressive_resizing(betons, indexe
     paths, _ = betons
     train, _ = indexes
     labels_all = np.array(source_labels(train))
-    loader = FFCVLoader(paths["train"], batch_size=10, train=True, image_size=24, workers=2, device="cpu",
-                        seed=7, drop_last=False)
+    loader = FFCVLoader(paths["train"], LoaderSpec(batch_size=10, train=True, image_size=24, workers=2, device="cpu",
+                                                     seed=7, drop_last=False))
     assert loader.order == "quasi_random" and len(loader) == 5
 
     epochs = {}
@@ -251,9 +252,9 @@ def test_train_loader_order_augmentation_and_progressive_resizing(betons, indexe
     assert shapes == {(3, 16, 16)}
 
     # Orders: sequential, random (seeded) and quasi_random differ; a seed changes the order.
-    def order(**kwargs):
+    def order(order=None, **kwargs):
         kw = dict(batch_size=10, train=True, image_size=24, workers=1, device="cpu", drop_last=False)
-        return FFCVLoader(paths["train"], **{**kw, **kwargs}).epoch_order(0)
+        return FFCVLoader(paths["train"], LoaderSpec(**{**kw, **kwargs}), order=order).epoch_order(0)
 
     assert order(order="sequential").tolist() == list(range(len(train)))
     assert np.array_equal(order(order="random", seed=7), order(order="random", seed=7))
@@ -295,8 +296,8 @@ def test_eval_decoding_agrees_with_torchvision_baseline(betons, eval_batches, in
     assert shifted.mean() > 20  # other images: far away
 
     def eval_epoch(path, crop_ratio):
-        return list(FFCVLoader(path, batch_size=10, train=False, image_size=SIZE, crop_ratio=crop_ratio, workers=1,
-                               device="cpu", drop_last=False))
+        return list(FFCVLoader(path, LoaderSpec(batch_size=10, train=False, image_size=SIZE, crop_ratio=crop_ratio,
+                                                workers=1, device="cpu", drop_last=False)))
 
     raw_full, _ = compare(eval_epoch(paths["val_raw"], 1.0), 1.0)
     assert raw_full.max() == 0  # same decoder (PIL), no resize: bit-identical
@@ -307,11 +308,11 @@ def test_eval_decoding_agrees_with_torchvision_baseline(betons, eval_batches, in
 def test_distributed_needs_process_group(betons):
     paths, _ = betons
     with pytest.raises(ConfigError, match="process group"):
-        FFCVLoader(paths["val"], batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
-                   drop_last=False, rank=0, world_size=2)
+        FFCVLoader(paths["val"], LoaderSpec(batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
+                                            drop_last=False, rank=0, world_size=2))
     with pytest.raises(ConfigError, match="order"):
-        FFCVLoader(paths["val"], batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
-                   drop_last=False, order="shuffled")
+        FFCVLoader(paths["val"], LoaderSpec(batch_size=4, train=True, image_size=SIZE, workers=1, device="cpu",
+                                            drop_last=False), order="shuffled")
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ def test_damaged_beton_raises_data_error(kind, betons, tmp_path):
     paths, _ = betons
     path = _damaged(kind, paths["val"].read_bytes(), tmp_path)
     with pytest.raises(DataError) as caught:
-        FFCVLoader(path, batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False)
+        FFCVLoader(path, LoaderSpec(batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False))
     message = str(caught.value)
     assert f"'{path}'" in message and "\n" not in message
     assert "expected" in message
@@ -359,4 +360,4 @@ def test_beton_with_other_fields_raises_data_error(tmp_path):
     path = tmp_path / "labels_only.beton"
     DatasetWriter(str(path), {"label": IntField()}, num_workers=1).from_indexed_dataset([(1,), (2,)])
     with pytest.raises(DataError, match=r"labels_only\.beton' has 1 fields: expected"):
-        FFCVLoader(path, batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False)
+        FFCVLoader(path, LoaderSpec(batch_size=4, train=False, image_size=SIZE, workers=1, device="cpu", drop_last=False))

@@ -29,6 +29,7 @@ from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader  # noqa: E402
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor_backend, anchor_torch, anchor_triton  # noqa: E402
 from fastanchor.pipeline.augment.augmix import DeviceAugMix  # noqa: E402
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder  # noqa: E402
+from fastanchor.pipeline.loaders.spec import LoaderSpec  # noqa: E402
 from test_distributed import torchrun  # noqa: E402
 from test_resume import RESUMABLE, kill_and_resume  # noqa: E402
 
@@ -97,8 +98,9 @@ def test_nvjpeg_decodes_as_libjpeg_turbo_does(tiny_dataset):
     decoders' IDCTs and the two resizes round differently, by about a grey level on average."""
     index = scan_image_folder(tiny_dataset / "train")
     settings = dict(batch_size=8, image_size=24, min_scale=0.35, workers=2, seed=3)
-    device_batches = list(NvjpegLoader(index, device=DEVICE, **settings))
-    cpu_batches = list(NvjpegLoader(index, device="cpu", **settings))
+    settings.update(train=True, drop_last=True)  # the benchmark's training loader
+    device_batches = list(NvjpegLoader(index, LoaderSpec(device=DEVICE, **settings)))
+    cpu_batches = list(NvjpegLoader(index, LoaderSpec(device="cpu", **settings)))
     assert len(device_batches) == len(cpu_batches) == len(index.samples) // 8
     for (images, labels), (cpu_images, cpu_labels) in zip(device_batches, cpu_batches):
         assert images.device.type == DEVICE and images.dtype == torch.uint8 and images.shape == (8, 3, 24, 24)

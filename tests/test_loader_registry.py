@@ -3,6 +3,8 @@ contract, and the trainer's builder and the loader benchmark both build through 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,7 +102,7 @@ def test_the_builder_and_the_loader_benchmark_build_through_the_registry(tiny_da
 
 
 def test_bench_step_builds_its_step_and_stage_from_the_recipe():
-    """`bench step --recipe` (and `bench e2e`, which uses the same TrainingSetup) builds model, optimiser, step and
+    """`bench step --config` (and `bench e2e`, which uses the same TrainingSetup) builds model, optimiser, step and
     stage with trainer/build.py from the recipe: its optimiser (demo: AdamW, not the default SGD), mixing, label
     smoothing, batch augmentations and masking level reach what is timed."""
     from fastanchor.benchmarks import end_to_end, train_step
@@ -123,3 +125,37 @@ def test_bench_step_builds_its_step_and_stage_from_the_recipe():
     measured = train_step.step_case("demo", setup, stage, batches, 1).run()
     assert measured.items == 4 and measured.seconds > 0
     assert end_to_end.TrainingSetup is train_step.TrainingSetup  # e2e times the same setup
+
+
+def test_bench_e2e_builds_its_loader_and_step_from_the_recipe(tiny_dataset, tmp_path):
+    """`bench e2e --config RECIPE`: the recipe's data.loader, model at its first-epoch resolution and batch size; its
+    loader is the registry's with the LoaderSpec trainer/build.py makes of the recipe's data.* and augment.* (here a
+    padded crop, padding 2, no flips), batch for batch the training loader; its step is TrainingSetup's (the recipe's
+    optimiser). `--recipe` is the flag's former name."""
+    from fastanchor.benchmarks import end_to_end, train_step
+    from fastanchor.benchmarks.options import EndToEndOptions
+    from fastanchor.cli import build_parser
+
+    recipe = tmp_path / "padded.yaml"
+    recipe.write_text("base: demo\ndata:\n  loader: torchvision\n  train_crop: padded\n  crop_padding: 2\n"
+                      "  batch_size: 8\n  image_size: 16\naugment:\n  hflip: false\n")
+    for flag in ("--config", "--recipe"):
+        assert build_parser().parse_args(["bench", "e2e", flag, str(recipe)]).recipe == str(recipe)
+    options = EndToEndOptions(recipe=str(recipe), device="cpu", data=str(tiny_dataset / "train"), workers=1, seed=3)
+    device = torch.device("cpu")
+    config, loader_name, model, size, batch = end_to_end.e2e_settings(options, device)
+    assert (loader_name, model, size, batch) == ("torchvision", "fastanchor_resnet_tiny", 16, 8)
+    assert (options.amp, options.channels_last) == (config.train.amp, config.train.channels_last)
+    request = bench_loaders.make_request(options, device, batch_size=batch, image_size=size, recipe=config)
+    spec = bench_loaders.loader_spec(request)
+    assert (spec.crop, spec.padding, spec.hflip, spec.min_scale, spec.workers) == ("padded", 2, False, config.data.min_scale, 1)
+    data = dataclasses.replace(config.data, workers=1)
+    trained = build.train_loader(data, scan_image_folder(tiny_dataset / "train"), device, 3, hflip=False)
+    assert spec == build.loader_spec(data, device, train=True, seed=3, hflip=False)
+    benched = bench_loaders.make_loader(loader_name, request)
+    assert type(benched) is type(trained) and len(benched) == len(trained)
+    for (bench_images, bench_labels), (train_images, train_labels) in zip(benched, trained):
+        assert torch.equal(bench_images, train_images) and torch.equal(bench_labels, train_labels)
+    setup = train_step.TrainingSetup(model, size, anchored=True, device=device, amp="off", channels_last=False,
+                                     compile=False, num_classes=4, seed=0, config=config)
+    assert isinstance(setup.step.optimizer, torch.optim.AdamW) and config.optim.name == "adamw"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.loaders.dali import DALILoader
 from fastanchor.pipeline.loaders.ffcv import FFCVLoader
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.beton.write import write_beton
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, eval_transform
@@ -35,13 +36,13 @@ def val_split(tiny_dataset, tmp_path_factory):
 
 
 def eval_loader(kind: str, index, beton, image_size: int, crop_ratio: float = 0.875):
-    common = dict(batch_size=10, device="cpu", drop_last=False)
+    common = dict(batch_size=10, device="cpu", drop_last=False, train=False, image_size=image_size, crop_ratio=crop_ratio)
     if kind == "torchvision":
         dataset = DecodedImages(index, eval_transform(image_size, crop_ratio))
-        return TorchvisionLoader(dataset, shuffle=False, workers=0, **common)
+        return TorchvisionLoader(dataset, LoaderSpec(workers=0, **common))
     if kind == "ffcv":
-        return FFCVLoader(beton, train=False, image_size=image_size, crop_ratio=crop_ratio, workers=1, **common)
-    return DALILoader(index, train=False, image_size=image_size, crop_ratio=crop_ratio, workers=1, **common)
+        return FFCVLoader(beton, LoaderSpec(workers=1, **common))
+    return DALILoader(index, LoaderSpec(workers=1, **common))
 
 
 def one_epoch(loader) -> tuple[torch.Tensor, torch.Tensor]:

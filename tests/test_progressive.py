@@ -11,6 +11,7 @@ import torch
 
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.progressive import resolution_for_epoch
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, train_transform
 from fastanchor.trainer.config import ConfigError, DataConfig, load_config
@@ -60,8 +61,9 @@ def test_training_resolution_defaults_and_validation():
 def test_torchvision_loader_resizes_with_persistent_workers(tiny_dataset):
     index = scan_image_folder(tiny_dataset / "train")
     make = lambda size: train_transform(size, 0.5)  # noqa: E731
-    loader = TorchvisionLoader(DecodedImages(index, make(32)), batch_size=16, shuffle=True, drop_last=True, workers=1,
-                               device="cpu", transform_for_size=make)
+    spec = dict(batch_size=16, train=True, image_size=32, min_scale=0.5, drop_last=True)
+    loader = TorchvisionLoader(DecodedImages(index, make(32)), LoaderSpec(**spec, workers=1, device="cpu"),
+                               transform_for_size=make)
     options = loader.loader
     assert options.persistent_workers and options.prefetch_factor == 4 and not options.pin_memory
     shapes = []
@@ -71,8 +73,7 @@ def test_torchvision_loader_resizes_with_persistent_workers(tiny_dataset):
         assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in loader)
     # The worker processes, which hold their own copy of the dataset, decode at the new size.
     assert shapes == [{(16, 3, 16, 16)}, {(16, 3, 24, 24)}, {(16, 3, 24, 24)}]
-    cuda = TorchvisionLoader(DecodedImages(index, make(32)), batch_size=16, shuffle=True, drop_last=True, workers=2,
-                             device="cuda")
+    cuda = TorchvisionLoader(DecodedImages(index, make(32)), LoaderSpec(**spec, workers=2, device="cuda"))
     assert cuda.loader.pin_memory and cuda.loader.persistent_workers  # pinned memory for the copies to the GPU
     with pytest.raises(ConfigError, match="transform_for_size"):
         cuda.set_image_size(16)

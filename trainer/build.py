@@ -168,6 +168,13 @@ def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: in
                       padding=data.crop_padding, hflip=hflip, policy=policy, rank=rank, world_size=world_size)
 
 
+def loader_knobs(data: DataConfig, name: str, *, train: bool) -> dict:
+    """The keywords of loader `name` beyond its LoaderSpec that data.* sets (FFCV's order and page cache)."""
+    if name != "ffcv":
+        return {}
+    return {"order": data.ffcv_order, "os_cache": data.ffcv_os_cache} if train else {"os_cache": data.ffcv_os_cache}
+
+
 def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, seed: int, *,
                  rank: int = 0, world_size: int = 1, policy: str = "none", hflip: bool = True, progress: bool = True,
                  labels: np.ndarray | None = None) -> Loader:
@@ -177,8 +184,8 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
     label of each sample of `index` to train with instead of its own (data.label_noise), for every loader."""
     spec = loader_spec(data, device, train=True, seed=seed, rank=rank, world_size=world_size, policy=policy, hflip=hflip)
     if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id
-        return make_loader("ffcv", ensure_beton(data, index, progress), spec, order=data.ffcv_order,
-                           os_cache=data.ffcv_os_cache, labels=labels)
+        return make_loader("ffcv", ensure_beton(data, index, progress), spec, labels=labels,
+                           **loader_knobs(data, "ffcv", train=True))
     return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec)
 
 
@@ -192,7 +199,7 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
     if corruption is not None:
         return make_loader("torchvision", index, spec, corruption=corruption)
     if data.loader == "ffcv":
-        return make_loader("ffcv", ensure_beton(data, index, progress), spec, os_cache=data.ffcv_os_cache)
+        return make_loader("ffcv", ensure_beton(data, index, progress), spec, **loader_knobs(data, "ffcv", train=False))
     return make_loader(data.loader, index, spec)
 
 def reference_indices(population: int, count: int, seed: int) -> list[int]:
@@ -252,8 +259,7 @@ def inference_references(data: DataConfig, train_index: ImageFolderIndex, *, ref
 
 
 def loader_for(dataset: Dataset, data: DataConfig, device: torch.device) -> TorchvisionLoader:
-    return TorchvisionLoader(dataset, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                             workers=data.workers, device=device)
+    return TorchvisionLoader(dataset, loader_spec(data, device, train=False))
 
 
 def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, ...]) -> list[EvalSet]:

@@ -3,14 +3,14 @@
 Every command's options (`fastanchor COMMAND`, `fastanchor bench WHAT`) are a dataclass whose fields are
 declared with `option()` (trainer/config.py), as the config sections are. `add_options` turns the fields
 into argparse flags, one rule for all: a field `some_name` is the flag `--some-name` (or the `flag` its
-option names); a bool is `--x/--no-x`; a list is a repeatable flag (or, with `positional=True`, one or
+option names; a tuple of flags: the first, then other names it answers to); a bool is `--x/--no-x`; a list is a repeatable flag (or, with `positional=True`, one or
 more positional arguments, or one where the field is not a list); `required`, `metavar` and `choices` pass through; the help is the option's
 one line, with its default where it has one. `options_from` reads the parsed values back into the
 dataclass. No torch import here: `--help` stays fast.
 
 The options shared by several commands are declared once, here, and mixed into the commands' options:
 `Overrides` (--set), `Recipe` (--config, --set), `OnDevice` (--device), `FromCheckpoint`
-(--checkpoint, --device, --set).
+(--checkpoint, --device, --set); `Checked` is how options check themselves (`validate()`, one line naming the flag).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from fastanchor.errors import check_all
 from fastanchor.trainer.config import Config, load_config, option
 
 DEFAULT_RECIPE = "demo"
@@ -40,19 +41,20 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = hints[f.name]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        flags = (flag,) if isinstance(flag, str) else tuple(flag)  # a tuple: the flag, then its other names
         if meta.get("positional"):  # a list: one or more values; anything else: exactly one
             parser.add_argument(f.name, nargs="+" if kind is list else None, type=None if kind is list else kind,
                                 metavar=meta.get("metavar", f.name.upper()), help=meta["help"])
         elif kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
         elif kind is list:  # repeatable; None (not given) leaves the field's default
-            parser.add_argument(flag, dest=f.name, action="append", default=None, required=meta.get("required", False),
+            parser.add_argument(*flags, dest=f.name, action="append", default=None, required=meta.get("required", False),
                                 metavar=meta.get("metavar", "VALUE"), help=meta["help"])
         else:
             choices = meta.get("choices")
             metavar = meta.get("metavar", None if choices else f.name.upper())
             required = meta.get("required", False)
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, required=required, metavar=metavar,
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default, required=required, metavar=metavar,
                                 choices=choices, help=meta["help"] + ("" if required else shown_default(default)))
 
 
@@ -60,6 +62,17 @@ def options_from(cls: type, args: argparse.Namespace):
     """The `cls` instance holding the parsed values of its options."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if "help" in f.metadata}
     return cls(**{name: value for name, value in values.items() if value is not None})  # None: an unrepeated list
+
+
+class Checked:
+    """Options checked once before anything runs: `checks()` lists (option, ok, what is expected); `validate()` raises
+    ConfigError naming the first bad one by its flag. A subclass adds its checks to `super().checks()`."""
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return []
+
+    def validate(self) -> None:
+        check_all(self.checks(), lambda name: f"--{name.replace('_', '-')} = {getattr(self, name)!r}")
 
 
 @dataclass

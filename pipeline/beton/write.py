@@ -12,36 +12,28 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_path
 from fastanchor.pipeline.beton.inspect import IMAGE_FIELD, LABEL_FIELD, MAX_SIDE, BetonInfo, inspect_beton
-from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, IndexedFiles, load_rgb
 
 
 
-class RGBSamples(Dataset):
+class RGBSamples(IndexedFiles):
     """(uint8 [H, W, 3] array, label) per sample of an ImageFolder index, decoded with PIL.
 
     Every mode (grayscale, palette, CMYK, RGBA, 16-bit) is converted to RGB, as by the baseline
     loader (`load_rgb`); an undecodable file raises DataError naming it."""
 
-    def __init__(self, index: ImageFolderIndex):
-        self.samples = index.samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int):
-        path, label = self.samples[i]
+    def read(self, path: str) -> np.ndarray:
         image = np.asarray(load_rgb(path), dtype=np.uint8)
         if image.ndim != 3 or image.shape[2] != 3:
             raise DataError(f"image '{path}' decoded to shape {image.shape}: expected an RGB image")
         if max(image.shape[:2]) > MAX_SIDE:
             raise DataError(f"image '{path}' is {image.shape[1]}x{image.shape[0]} pixels: FFCV stores at most "
                             f"{MAX_SIDE} pixels a side; set max_resolution")
-        return np.ascontiguousarray(image), int(label)
+        return np.ascontiguousarray(image)
 
 
 def _guarded_worker(errors, work_fn, *args) -> None:

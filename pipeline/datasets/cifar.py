@@ -25,11 +25,10 @@ must have training images (the validation split has folders for the classes it h
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import pickle
 import shutil
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 from PIL import Image
 
 from fastanchor.errors import DataError
+from fastanchor.pipeline.datasets.manifest import existing_tree, move_into_place, staging_folder, write_manifest
 
 MANIFEST_NAME = "cifar.json"
 TREE_VERSION = 1
@@ -210,17 +210,6 @@ def _manifest(directory: Path, layout: CifarLayout, splits: tuple[str, str]) -> 
             "splits": list(splits), "source_files": source_fingerprint(directory, layout)}
 
 
-def _read_manifest(root: Path) -> dict | None:
-    try:
-        return json.loads((root / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _matches(found: dict | None, wanted: dict) -> bool:
-    return isinstance(found, dict) and all(found.get(key) == value for key, value in wanted.items())
-
-
 def ensure_cifar_tree(cifar_dir: str | Path, root: str | Path, splits: tuple[str, str] = ("train", "val"),
                       progress: bool = True) -> Path:
     """Decode `cifar_dir` into the ImageFolder tree `root` (training batches -> splits[0], test
@@ -231,15 +220,11 @@ def ensure_cifar_tree(cifar_dir: str | Path, root: str | Path, splits: tuple[str
     cifar_dir, root = Path(cifar_dir), Path(root)
     layout = detect_layout(cifar_dir)
     wanted = _manifest(cifar_dir, layout, splits)
-    if root.exists() or root.is_symlink():
-        if _matches(_read_manifest(root) if root.is_dir() else None, wanted):
-            return root
-        if not root.is_dir() or any(root.iterdir()):
-            raise _refusal(root, cifar_dir, wanted)
+    refuse = functools.partial(_refusal, root, cifar_dir, wanted)
+    if existing_tree(root, MANIFEST_NAME, wanted, refuse) is not None:
+        return root
     dataset = read_cifar(cifar_dir)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = staging_folder(root)
     try:
         folders = class_folders(dataset.classes)
         counts = {}
@@ -247,24 +232,15 @@ def ensure_cifar_tree(cifar_dir: str | Path, root: str | Path, splits: tuple[str
             counts[split] = _write_split(tmp / split, split, part, folders, progress)
         manifest = {**wanted, "source": str(cifar_dir.resolve()), "classes": list(dataset.classes),
                     "class_folders": list(folders), "counts": counts}
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        if root.is_dir():
-            root.rmdir()  # the empty directory checked above
-        try:
-            os.rename(tmp, root)
-        except OSError:
-            # A concurrent conversion that finished first is as good as ours.
-            if not (root.is_dir() and _matches(_read_manifest(root), wanted)):
-                raise _refusal(root, cifar_dir, wanted) from None
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_manifest(tmp, MANIFEST_NAME, manifest)
+        move_into_place(tmp, root, MANIFEST_NAME, wanted, refuse)  # a concurrent conversion's is as good as ours
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return root
 
 
-def _refusal(root: Path, cifar_dir: Path, wanted: dict) -> DataError:
-    found = _read_manifest(root) if root.is_dir() else None
+def _refusal(root: Path, cifar_dir: Path, wanted: dict, found: dict | None) -> DataError:
     what = (f"a CIFAR tree of other source files or splits ({found.get('source', '?')}, splits {found.get('splits')})"
             if isinstance(found, dict) and found.get("format") == wanted["format"] else "other content")
     return DataError(f"data.root '{root}' already holds {what}, not the conversion of '{cifar_dir}' into splits "

@@ -39,11 +39,14 @@ import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from fastanchor.errors import check_all
+from fastanchor.pipeline.datasets.manifest import existing_tree, move_into_place, staging_folder, write_manifest
 
 # num_classes takes the first ones: hexagon (a near-circle at 32 px) comes last.
 IN_DISTRIBUTION_CLASSES: tuple[str, ...] = (
@@ -103,9 +106,7 @@ class EmbeddedSpec:
             ("ood_per_class", self.ood_per_class >= 1, "at least 1 image per class"),
             ("jpeg_quality", 1 <= self.jpeg_quality <= 100, "an integer from 1 to 100"),
         )
-        for name, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"EmbeddedSpec.{name} = {getattr(self, name)!r}: expected {expected}.")
+        check_all(checks, lambda name: f"EmbeddedSpec.{name} = {getattr(self, name)!r}", ValueError, end=".")
         return self
 
     def classes(self, split: str) -> tuple[str, ...]:
@@ -454,26 +455,16 @@ def dataset_sha256(root: str | Path) -> str:
     return _combined_sha256(digests)
 
 
-def _read_manifest(root: Path) -> dict | None:
-    try:
-        return json.loads((root / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _spec_dict(spec: EmbeddedSpec) -> dict[str, int]:
     return {k: int(v) for k, v in asdict(spec).items()}
 
 
-def _matches(manifest: dict | None, spec: EmbeddedSpec) -> bool:
-    return (
-        isinstance(manifest, dict)
-        and manifest.get("spec") == _spec_dict(spec)
-        and manifest.get("generator_version") == GENERATOR_VERSION
-    )
+def _wanted(spec: EmbeddedSpec) -> dict:
+    """The manifest entries of the dataset `spec` describes."""
+    return {"spec": _spec_dict(spec), "generator_version": GENERATOR_VERSION}
 
 
-def _refuse(root: Path, manifest: dict | None, spec: EmbeddedSpec) -> ValueError:
+def _refuse(root: Path, spec: EmbeddedSpec, manifest: dict | None) -> ValueError:
     if isinstance(manifest, dict) and "spec" in manifest:
         what = (f"an embedded dataset with spec {manifest.get('spec')} "
                 f"(generator version {manifest.get('generator_version')})")
@@ -498,27 +489,19 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
     """
     spec.validate()
     root = Path(root)
-    if root.exists() or root.is_symlink():
-        manifest = _read_manifest(root) if root.is_dir() else None
-        if _matches(manifest, spec):
-            try:
-                _add_missing_splits(root, spec, manifest, progress, workers)
-            except OSError as error:  # e.g. a read-only dataset: usable as it is, without the new split
-                warnings.warn(f"{root}: could not add the splits this version adds ({error}); the dataset is used "
-                              f"as it is, and evaluation reads a split only where it exists", stacklevel=2)
-            return root
-        if not root.is_dir() or any(root.iterdir()):
-            raise _refuse(root, manifest, spec)
-        # An empty directory is taken as the place to put the dataset.
+    refuse = partial(_refuse, root, spec)
+    manifest = existing_tree(root, MANIFEST_NAME, _wanted(spec), refuse)  # None: missing or empty, the place to write
+    if manifest is not None:
+        try:
+            _add_missing_splits(root, spec, manifest, progress, workers)
+        except OSError as error:  # e.g. a read-only dataset: usable as it is, without the new split
+            warnings.warn(f"{root}: could not add the splits this version adds ({error}); the dataset is used "
+                          f"as it is, and evaluation reads a split only where it exists", stacklevel=2)
+        return root
 
-    root.parent.mkdir(parents=True, exist_ok=True)
     jobs = [(split, c, i) for split in SPLITS
             for c in range(len(spec.classes(split))) for i in range(spec.per_class(split))]
-    # Unique per call (pid plus a random suffix), so concurrent runs, even two threads of one
-    # process, never share a temporary directory.
-    # (Not tempfile.mkdtemp: its 0700 mode would become the dataset's.)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = staging_folder(root)
     try:
         for split in SPLITS:
             for name in spec.classes(split):
@@ -533,8 +516,8 @@ def generate_embedded_dataset(root: str | Path, spec: EmbeddedSpec, progress: bo
             "sha256": _combined_sha256(digests),
             "sha256_scheme": "sha256 over 'relpath NUL sha256(file) LF' for every image, sorted by relpath",
         }
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        _move_into_place(tmp, root, spec)
+        write_manifest(tmp, MANIFEST_NAME, manifest)
+        move_into_place(tmp, root, MANIFEST_NAME, _wanted(spec), refuse)  # a concurrent run's same dataset is kept
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -605,17 +588,3 @@ def _write_images(tmp: Path, spec: EmbeddedSpec, jobs: list[tuple[str, int, int]
             # thread writes into the temporary directory after the caller has removed it.
             pool.shutdown(wait=True, cancel_futures=True)
     return digests
-
-
-def _move_into_place(tmp: Path, root: Path, spec: EmbeddedSpec) -> None:
-    if root.is_dir() and not any(root.iterdir()):
-        root.rmdir()
-    try:
-        os.rename(tmp, root)
-    except OSError:
-        # Someone else finished first (a concurrent run): keep theirs if it is the same dataset.
-        manifest = _read_manifest(root) if root.is_dir() else None
-        if _matches(manifest, spec):
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        raise _refuse(root, manifest, spec) from None

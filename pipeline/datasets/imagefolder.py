@@ -28,6 +28,24 @@ class ImageFolderIndex:
         return len(self.samples)
 
 
+class IndexedFiles:
+    """(read(path), label) per sample of an ImageFolder index: a map-style dataset for torch's DataLoader (or
+    FFCV's writer); `read` says what a sample is (decoded pixels, the file's bytes)."""
+
+    def __init__(self, index: ImageFolderIndex):
+        self.samples = index.samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        return self.read(path), int(label)
+
+    def read(self, path: str):
+        raise NotImplementedError
+
+
 def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None,
                       allow_empty_classes: bool = False) -> ImageFolderIndex:
     """Index every image of `root`; refuse missing/empty trees and non-image files.

@@ -24,11 +24,9 @@ Pillow/libjpeg-turbo). Writing goes to a temporary sibling directory renamed int
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -37,7 +35,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fastanchor.errors import DataError
+from fastanchor.errors import DataError, check_all
+from fastanchor.pipeline.datasets.manifest import existing_tree, move_into_place, staging_folder, write_manifest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "fastanchor-imagenet-shaped"
@@ -73,15 +72,17 @@ class ImageNetShapedSpec:
             ("mean_bytes", 20_000 <= self.mean_bytes <= 300_000, "a target mean file size from 20000 to 300000 bytes"),
             ("jpeg_quality", 50 <= self.jpeg_quality <= 100, "an integer from 50 to 100"),
         )
-        for name, ok, expected in checks:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not ok:
-                raise DataError(f"imagenet-shaped {name} = {value!r}: expected {expected}")
+        check_all([(name, _integer(getattr(self, name)) and ok, expected) for name, ok, expected in checks],
+                  lambda name: f"imagenet-shaped {name} = {getattr(self, name)!r}", DataError)
         return self
 
     @property
     def num_images(self) -> int:
         return self.num_classes * self.images_per_class
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def class_name(class_index: int) -> str:
@@ -178,16 +179,9 @@ def _statistics(values: np.ndarray) -> dict:
     return {name: float(f"{value:.6g}") for name, value in figures.items()}
 
 
-def _read_manifest(root: Path) -> dict | None:
-    try:
-        return json.loads((root / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _matches(manifest: dict | None, spec: ImageNetShapedSpec) -> bool:
-    return (isinstance(manifest, dict) and manifest.get("format") == FORMAT
-            and manifest.get("generator_version") == GENERATOR_VERSION and manifest.get("spec") == asdict(spec))
+def _wanted(spec: ImageNetShapedSpec) -> dict:
+    """The manifest entries of the dataset `spec` describes."""
+    return {"format": FORMAT, "generator_version": GENERATOR_VERSION, "spec": asdict(spec)}
 
 
 def generate_imagenet_shaped(root: str | Path, spec: ImageNetShapedSpec, *, progress: bool = True,
@@ -201,16 +195,14 @@ def generate_imagenet_shaped(root: str | Path, spec: ImageNetShapedSpec, *, prog
 
     spec.validate()
     root = Path(root)
-    if root.exists():
-        manifest = _read_manifest(root) if root.is_dir() else None
-        if _matches(manifest, spec):
-            return manifest
-        if not root.is_dir() or any(root.iterdir()):
-            raise DataError(f"'{root}' already holds something other than the ImageNet-shaped dataset {asdict(spec)}: "
-                            f"expected an empty or missing directory (choose another one or remove it yourself)")
-        root.rmdir()
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def refuse(found: dict | None) -> DataError:
+        return DataError(f"'{root}' already holds something other than the ImageNet-shaped dataset {asdict(spec)}: "
+                         f"expected an empty or missing directory (choose another one or remove it yourself)")
+
+    manifest = existing_tree(root, MANIFEST_NAME, _wanted(spec), refuse)
+    if manifest is not None:
+        return manifest
     jobs = [(c, i) for c in range(spec.num_classes) for i in range(spec.images_per_class)]
     workers = workers or min(8, os.cpu_count() or 1)
     calibration(spec.jpeg_quality), mean_pixels()  # computed once, before the threads start
@@ -222,6 +214,7 @@ def generate_imagenet_shaped(root: str | Path, spec: ImageNetShapedSpec, *, prog
         with Image.open(io.BytesIO(data)) as image:
             return len(data), image.width, image.height
 
+    tmp = staging_folder(root)
     try:
         for c in range(spec.num_classes):
             (tmp / SPLIT / class_name(c)).mkdir(parents=True)
@@ -236,17 +229,15 @@ def generate_imagenet_shaped(root: str | Path, spec: ImageNetShapedSpec, *, prog
             pool.shutdown(wait=True, cancel_futures=True)
         sizes, widths, heights = (np.array(column, dtype=np.float64) for column in zip(*facts))
         manifest = {
-            "format": FORMAT,
-            "generator_version": GENERATOR_VERSION,
-            "spec": asdict(spec),
+            **_wanted(spec),
             "split": SPLIT,
             "num_images": len(jobs),
             "targets": {"mean_bytes": spec.mean_bytes, "mean_width": 400, "mean_height": 350},
             "achieved": {"bytes": _statistics(sizes), "width": _statistics(widths), "height": _statistics(heights),
                          "megapixels": _statistics(widths * heights / 1e6), "total_bytes": int(sizes.sum())},
         }
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        os.rename(tmp, root)
+        write_manifest(tmp, MANIFEST_NAME, manifest)
+        move_into_place(tmp, root, MANIFEST_NAME, _wanted(spec), refuse)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -31,7 +31,7 @@ import torch
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb, scan_image_folder
-from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size
+from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
 _ORDER_TAG, _AUGMENT_TAG = 0x44414C49, 0x41554745  # keep the order and augmentation streams apart
 
@@ -55,7 +55,8 @@ def augmentation_seed(seed: int, epoch: int, shard_id: int) -> int:
 
 
 class DALILoader:
-    """DALI's `readers.file` + `decoders.image` over an ImageFolder index, with FFCVLoader's knobs.
+    """DALI's `readers.file` + `decoders.image` over an ImageFolder index (or its root), built from a LoaderSpec
+    (`spec`: the settings every loader shares, named below by their field names) and DALI's `prefetch` depth.
 
     Iterating yields (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on `device`.
     Decoding runs on the CPU (`workers` DALI threads; 0 means 1) for a CPU device, and with
@@ -92,53 +93,25 @@ class DALILoader:
     to find it); the pipeline is rebuilt at the next iteration.
     """
 
-    def __init__(
-        self,
-        index: ImageFolderIndex | str | Path,
-        *,
-        batch_size: int,
-        train: bool,
-        image_size: int,
-        crop_ratio: float = 0.875,
-        min_scale: float = 0.35,
-        crop: str = "random_resized",
-        padding: int = 4,
-        policy: str = "none",
-        hflip: bool = True,
-        workers: int,
-        device: torch.device | str,
-        seed: int = 0,
-        drop_last: bool,
-        rank: int = 0,
-        world_size: int = 1,
-        prefetch: int = 2,
-    ):
+    def __init__(self, index: ImageFolderIndex | str | Path, spec: LoaderSpec, *, prefetch: int = 2):
         if not isinstance(index, ImageFolderIndex):
             index = scan_image_folder(index)
-        self.spec = LoaderSpec(batch_size=batch_size, train=train, image_size=image_size, workers=workers, device=device,
-                               drop_last=drop_last, seed=seed, crop_ratio=crop_ratio, min_scale=min_scale, crop=crop,
-                               padding=padding, hflip=hflip, policy=policy, rank=rank, world_size=world_size)
-        if policy not in POLICIES:
-            raise ConfigError(f"policy = {policy!r}: DALI's auto_aug offers {', '.join(POLICIES)}")
+        self.spec = spec = checked_spec(spec)
+        spec.require_policy(POLICIES, f"DALI's auto_aug offers {', '.join(POLICIES)}")
         if not _positive_int(prefetch):
             raise ConfigError(f"prefetch = {prefetch!r}: expected a positive integer")
         self.index = index
         self.files = [path for path, _ in index.samples]
         self.labels = np.array([label for _, label in index.samples], dtype=np.int64)
-        self.batch_size = batch_size
-        self.train = train
-        self.image_size = image_size
-        self.crop_ratio = crop_ratio
-        self.min_scale = min_scale
-        self.crop, self.padding, self.policy, self.hflip = crop, padding, policy, hflip
-        self.threads = max(1, workers)
-        self.device = torch.device(device)
+        self.batch_size, self.train, self.image_size = spec.batch_size, spec.train, spec.image_size
+        self.crop_ratio, self.min_scale = spec.crop_ratio, spec.min_scale
+        self.crop, self.padding, self.policy, self.hflip = spec.crop, spec.padding, spec.policy, spec.hflip
+        self.threads = max(1, spec.workers)
+        self.device = torch.device(spec.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.seed = seed
-        self.drop_last = drop_last
-        self.rank = rank
-        self.world_size = world_size
+        self.seed, self.drop_last = spec.seed, spec.drop_last
+        self.rank, self.world_size = spec.rank, spec.world_size
         self.prefetch = prefetch
         self._epoch = 0
 
@@ -348,11 +321,3 @@ def _first_line(error: BaseException) -> str:
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def from_spec(index: ImageFolderIndex, spec: LoaderSpec, *, prefetch: int = 2) -> DALILoader:
-    """The DALI loader over `index` with `spec`'s settings; `prefetch`: DALI's prefetch queue depth."""
-    return DALILoader(index, batch_size=spec.batch_size, train=spec.train, image_size=spec.image_size,
-                      crop_ratio=spec.crop_ratio, min_scale=spec.min_scale, crop=spec.crop, padding=spec.padding,
-                      policy=spec.policy, hflip=spec.hflip, workers=spec.workers, device=spec.device, seed=spec.seed,
-                      drop_last=spec.drop_last, rank=spec.rank, world_size=spec.world_size, prefetch=prefetch)

@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.beton.inspect import IMAGE_FIELD, LABEL_FIELD, inspect_beton
-from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size
+from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
 ORDERS = ("sequential", "random", "quasi_random")
 POLICIES = ("none",)  # FFCV's pipeline only crops and flips
@@ -44,7 +45,8 @@ def _order_seed(seed: int) -> int:
 
 
 class FFCVLoader:
-    """FFCV's Loader over a .beton with TorchvisionLoader's contract.
+    """FFCV's Loader over a .beton with TorchvisionLoader's contract, built from a LoaderSpec (`spec`: the
+    settings every loader shares, named below by their field names) and FFCV's own knobs.
 
     Iterating yields (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on `device`.
     Train: RandomResizedCrop to s x s with area scale in [min_scale, 1] and aspect ratio in
@@ -84,39 +86,18 @@ class FFCVLoader:
     epoch's order, and the stored labels of the batch are checked against them before they are swapped.
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        batch_size: int,
-        train: bool,
-        image_size: int,
-        crop_ratio: float = 0.875,
-        min_scale: float = 0.35,
-        crop: str = "random_resized",
-        padding: int = 4,
-        hflip: bool = True,
-        workers: int,
-        device: torch.device | str,
-        seed: int = 0,
-        drop_last: bool,
-        order: str | None = None,
-        os_cache: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-        batches_ahead: int = 3,
-        labels: np.ndarray | None = None,
-    ):
+    def __init__(self, path: str | Path, spec: LoaderSpec, *, order: str | None = None, os_cache: bool = True,
+                 batches_ahead: int = 3, labels: np.ndarray | None = None):
         import numba
         from ffcv.fields.basics import IntDecoder
         from ffcv.fields.rgb_image import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
         from ffcv.loader import Loader, OrderOption
         from ffcv.transforms import RandomHorizontalFlip, RandomTranslate, Squeeze, ToTensor
 
-        self.spec = LoaderSpec(batch_size=batch_size, train=train, image_size=image_size, workers=workers, device=device,
-                               drop_last=drop_last, seed=seed, crop_ratio=crop_ratio, min_scale=min_scale, crop=crop,
-                               padding=padding, hflip=hflip, rank=rank, world_size=world_size)
-        distributed = world_size > 1
+        self.spec = spec = checked_spec(spec)
+        spec.require_policy(POLICIES, "FFCV's pipeline only crops and flips")
+        train, image_size = spec.train, spec.image_size
+        distributed = spec.world_size > 1
         order = order if order is not None else ("quasi_random" if train else "sequential")
         if order not in ORDERS:
             raise ConfigError(f"order = {order!r}: expected one of {', '.join(ORDERS)}")
@@ -125,7 +106,7 @@ class FFCVLoader:
             order = "random"
             self.order_note = "FFCV has no quasi_random order in distributed mode: using random"
         if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise ConfigError(f"world_size = {world_size}: FFCV's distributed mode needs an initialized "
+            raise ConfigError(f"world_size = {spec.world_size}: FFCV's distributed mode needs an initialized "
                               "torch.distributed process group")
 
         self.path = Path(path)
@@ -136,30 +117,30 @@ class FFCVLoader:
                 raise ConfigError(f"labels of shape {labels.shape} for the {self.info.num_samples} samples of "
                                   f"'{self.path}': expected one label per sample")
         self.labels = labels
-        self.device = torch.device(device)
+        self.device = torch.device(spec.device)
         self.train = train
         self.order = order
-        self.seed = seed
-        self.threads = max(1, min(int(workers), numba.config.NUMBA_NUM_THREADS))
-        flip = [RandomHorizontalFlip()] if hflip else []  # FFCV's flips are not seeded: nothing to keep in step
-        if train and crop == "padded":  # CIFAR's: the whole image at image_size, flipped, shifted in a black frame
+        self.seed = spec.seed
+        self.threads = max(1, min(spec.workers, numba.config.NUMBA_NUM_THREADS))
+        flip = [RandomHorizontalFlip()] if spec.hflip else []  # FFCV's flips are not seeded: nothing to keep in step
+        if train and spec.crop == "padded":  # CIFAR's: the whole image at image_size, flipped, shifted in a black frame
             self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=1.0)
-            image_pipeline = [self.decoder, *flip, RandomTranslate(padding=padding), ToTensor()]
+            image_pipeline = [self.decoder, *flip, RandomTranslate(padding=spec.padding), ToTensor()]
         elif train:
-            self.decoder = RandomResizedCropRGBImageDecoder((image_size, image_size), scale=(min_scale, 1.0),
+            self.decoder = RandomResizedCropRGBImageDecoder((image_size, image_size), scale=(spec.min_scale, 1.0),
                                                             ratio=(3 / 4, 4 / 3))
             image_pipeline = [self.decoder, *flip, ToTensor()]
         else:
-            self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=crop_ratio)
+            self.decoder = CenterCropRGBImageDecoder((image_size, image_size), ratio=spec.crop_ratio)
             image_pipeline = [self.decoder, ToTensor()]
         # Squeeze(1), not Squeeze(): a last batch of one sample must keep its batch dimension.
         label_pipeline = [IntDecoder(), ToTensor(), Squeeze(1)]
         torch_threads = torch.get_num_threads()
         try:
             self.loader = Loader(
-                str(self.path), batch_size=batch_size, num_workers=self.threads, os_cache=os_cache,
-                order=OrderOption[order.upper()], distributed=distributed, seed=_order_seed(seed),
-                pipelines={IMAGE_FIELD: image_pipeline, LABEL_FIELD: label_pipeline}, drop_last=drop_last,
+                str(self.path), batch_size=spec.batch_size, num_workers=self.threads, os_cache=os_cache,
+                order=OrderOption[order.upper()], distributed=distributed, seed=_order_seed(spec.seed),
+                pipelines={IMAGE_FIELD: image_pipeline, LABEL_FIELD: label_pipeline}, drop_last=spec.drop_last,
                 batches_ahead=batches_ahead,
             )
         except (AssertionError, IndexError, KeyError, OSError, ValueError, MemoryError) as error:
@@ -335,15 +316,8 @@ def _restore_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def from_spec(path: str | Path, spec: LoaderSpec, *, order: str | None = None, os_cache: bool = True,
-              batches_ahead: int = 3, labels: np.ndarray | None = None) -> FFCVLoader:
-    """FFCV's loader over the .beton at `path` with `spec`'s settings (an evaluation loader reads every sample in
-    every process); `order`, `os_cache`, `batches_ahead`: FFCV's; `labels`: see FFCVLoader."""
-    if spec.policy not in POLICIES:
-        raise ConfigError(f"policy = {spec.policy!r}: FFCV's pipeline only crops and flips")
-    world_size, rank = (spec.world_size, spec.rank) if spec.train else (1, 0)
-    return FFCVLoader(path, batch_size=spec.batch_size, train=spec.train, image_size=spec.image_size,
-                      crop_ratio=spec.crop_ratio, min_scale=spec.min_scale, crop=spec.crop, padding=spec.padding,
-                      hflip=spec.hflip, workers=spec.workers, device=spec.device, seed=spec.seed, drop_last=spec.drop_last,
-                      order=order, os_cache=os_cache, rank=rank, world_size=world_size, batches_ahead=batches_ahead,
-                      labels=labels)
+def from_spec(path: str | Path, spec: LoaderSpec, **knobs) -> FFCVLoader:
+    """FFCV's loader over the .beton at `path` with `spec`'s settings, an evaluation loader reading every sample in
+    every process (FFCV pads its shards with repeats); `knobs`: FFCVLoader's own (order, os_cache, batches_ahead,
+    labels)."""
+    return FFCVLoader(path, spec if spec.train else replace(spec, rank=0, world_size=1), **knobs)

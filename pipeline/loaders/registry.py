@@ -1,7 +1,9 @@
 """The loaders by name: `LOADERS[name](source, spec, **knobs)` makes one (`make` says so in one call).
 
 The source is what the loader reads: an ImageFolder index for torchvision and DALI, a .beton path for FFCV
-(pipeline/beton/ writes it). Adding a loader is one file in this folder and one line in each table here.
+(pipeline/beton/ writes it). Every loader class takes (source, LoaderSpec, its own knobs); where a loader needs a
+step between the spec and its class (torchvision builds the decoding dataset, FFCV reads evaluation unsharded),
+its file's `from_spec` is the entry. Adding a loader is one file in this folder and one line in each table here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
 LOADERS: dict[str, Callable[..., Loader]] = {
     "torchvision": torchvision.from_spec,
     "ffcv": ffcv.from_spec,
-    "dali": dali.from_spec,
+    "dali": dali.DALILoader,
 }
 # What each loader can do per image besides its crop and flip (augment.auto_augment; checked once, at start-up).
 POLICIES: dict[str, tuple[str, ...]] = {

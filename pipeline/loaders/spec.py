@@ -1,8 +1,9 @@
 """What every loader is asked for (`LoaderSpec`, checked once here) and what every loader offers (`Loader`).
 
 A loader is made from a source (an ImageFolder index, or a .beton path for FFCV) and a LoaderSpec by the
-registry (pipeline/loaders/registry.py); the knobs only one loader has (FFCV's page order, DALI's prefetch
-depth, a torchvision corruption) are that loader's factory's keywords.
+registry (pipeline/loaders/registry.py); every loader class takes its source and a LoaderSpec, so the shared
+settings and their checks are written here once; the knobs only one loader has (FFCV's page order, DALI's
+prefetch depth, a torchvision corruption) are that loader's own keywords.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class LoaderSpec:
         if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
             raise ConfigError(f"rank = {self.rank!r}: expected an integer in [0, {self.world_size})")
 
+    def require_policy(self, offered: tuple[str, ...], note: str) -> None:
+        """Refuse, with one line ending in `note`, a `policy` that is not among the loader's `offered` ones."""
+        if self.policy not in offered:
+            raise ConfigError(f"policy = {self.policy!r}: {note}")
+
 
 @runtime_checkable
 class Loader(Protocol):
@@ -86,6 +92,13 @@ class Loader(Protocol):
     def shards_evaluation(self) -> bool:
         """Whether, built for evaluation with world_size > 1, each process reads a disjoint shard (sum the
         counts) rather than every sample."""
+
+
+def checked_spec(spec) -> LoaderSpec:
+    """`spec` itself, once it is known to be a LoaderSpec (its settings were checked when it was made)."""
+    if not isinstance(spec, LoaderSpec):
+        raise TypeError(f"a loader takes a LoaderSpec, not {type(spec).__name__}")
+    return spec
 
 
 def check_image_size(image_size) -> None:

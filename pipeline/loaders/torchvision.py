@@ -19,7 +19,7 @@ from torchvision.transforms import v2
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.shifts.corruptions import corrupt_image
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
-from fastanchor.pipeline.loaders.spec import LoaderSpec
+from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,9 @@ class SeededSamples(Dataset):
 
 
 class TorchvisionLoader:
-    """Iterates (uint8 channels-last images, int64 labels) on `device`.
+    """Iterates (uint8 channels-last images, int64 labels) on `device`: a DataLoader over `dataset` with a
+    LoaderSpec's batch_size, drop_last, workers, device, seed and shard (rank, world_size); `train` shuffles. The
+    crop settings of the spec are the dataset's transform's (`from_spec` builds both from one spec).
 
     The order of an epoch and every random crop and flip are a function of (seed, epoch):
     `set_epoch(epoch)` before iterating, `iter_from(batch)` to start the epoch at a batch.
@@ -186,37 +188,27 @@ class TorchvisionLoader:
     once per change of size.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        batch_size: int,
-        shuffle: bool,
-        drop_last: bool,
-        workers: int,
-        device: torch.device,
-        seed: int = 0,
-        prefetch_factor: int = 4,
-        transform_for_size: Callable[[int], v2.Transform] | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
-        self.device = torch.device(device)
-        self.seed = seed
-        self.batch_size = batch_size
+    def __init__(self, dataset: Dataset, spec: LoaderSpec, *, transform_for_size: Callable[[int], v2.Transform] | None = None,
+                 prefetch_factor: int = 4):
+        self.spec = spec = checked_spec(spec)
+        self.device = torch.device(spec.device)
+        self.seed = spec.seed
+        self.batch_size = spec.batch_size
         self.dataset = dataset
-        self.shuffle = shuffle
+        self.shuffle = spec.train
         self.transform_for_size = transform_for_size
         self.image_size: int | None = None  # None: as the dataset's transform was given
-        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+        self.sampler = EpochSampler(len(dataset), shuffle=spec.train, seed=spec.seed, rank=spec.rank,
+                                    world_size=spec.world_size)
+        workers = spec.workers
         self._loader_options = dict(
-            batch_size=batch_size,
+            batch_size=spec.batch_size,
             sampler=self.sampler,
-            drop_last=drop_last,
+            drop_last=spec.drop_last,
             num_workers=workers,
             pin_memory=self.device.type == "cuda",
             persistent_workers=workers > 0,
-            generator=torch.Generator().manual_seed(seed),  # keeps the DataLoader off torch's global generator
+            generator=torch.Generator().manual_seed(spec.seed),  # keeps the DataLoader off torch's global generator
             worker_init_fn=_seed_worker,
             prefetch_factor=prefetch_factor if workers > 0 else None,
         )
@@ -235,8 +227,7 @@ class TorchvisionLoader:
 
     def set_image_size(self, image_size: int) -> None:
         """Output image_size x image_size images from the next iteration on."""
-        if not (isinstance(image_size, int) and image_size >= 1):
-            raise ConfigError(f"image_size = {image_size!r}: expected a positive integer (pixels)")
+        check_image_size(image_size)
         if image_size == self.image_size:
             return
         if self.transform_for_size is None:
@@ -271,14 +262,11 @@ def from_spec(index: ImageFolderIndex, spec: LoaderSpec, *, corruption: Corrupti
               prefetch_factor: int = 4) -> TorchvisionLoader:
     """The torchvision loader over `index` with `spec`'s settings: train decodes with `train_transform` (and can
     change its image size), eval with `eval_transform`, after `corruption` when given."""
-    if spec.policy not in POLICIES:
-        raise ConfigError(f"policy = {spec.policy!r}: expected one of {', '.join(POLICIES)}")
-    options = dict(batch_size=spec.batch_size, drop_last=spec.drop_last, workers=spec.workers, device=spec.device,
-                   seed=spec.seed, prefetch_factor=prefetch_factor, rank=spec.rank, world_size=spec.world_size)
+    spec.require_policy(POLICIES, f"expected one of {', '.join(POLICIES)}")
     if not spec.train:
         dataset = DecodedImages(index, eval_transform(spec.image_size, spec.crop_ratio), corruption)
-        return TorchvisionLoader(dataset, shuffle=False, **options)
+        return TorchvisionLoader(dataset, spec, prefetch_factor=prefetch_factor)
     transform_for_size = functools.partial(train_transform, min_scale=spec.min_scale, crop=spec.crop,
                                            padding=spec.padding, policy=spec.policy, hflip=spec.hflip)
     dataset = DecodedImages(index, transform_for_size(spec.image_size), corruption)
-    return TorchvisionLoader(dataset, shuffle=True, transform_for_size=transform_for_size, **options)
+    return TorchvisionLoader(dataset, spec, transform_for_size=transform_for_size, prefetch_factor=prefetch_factor)
