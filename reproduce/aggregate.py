@@ -240,8 +240,9 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
     counted once per seed. Experiments whose result is not such a table (the ER ones) have an `aggregator`."""
     paper = paper_numbers(experiment.name, experiment.paper)
     for block in experiment.paper_also:  # rows the paper does not type twice (SFT Tables 4, 6-8 repeat Tables 1-2)
+        typed = {(e["setup"], e["arm"], json.dumps(e["value"]), e["metric"]) for e in paper["entries"]}
         paper["entries"] += [e for e in paper_numbers(block, experiment.paper)["entries"]
-                             if not any(e["arm"] == f["arm"] and e["setup"] == f["setup"] for f in paper["entries"])]
+                             if (e["setup"], e["arm"], json.dumps(e["value"]), e["metric"]) not in typed]
     head = {"experiment": experiment.name, "title": experiment.title, "source": experiment.source,
             "paper_source": f"{paper['source']}, {experiment.source}", "scale": scale, "axis": experiment.axis,
             "paper": paper, "paper_file": f"{experiment.paper}.yaml", "setups": setup_papers}

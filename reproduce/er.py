@@ -25,7 +25,6 @@ from pathlib import Path
 
 from fastanchor.reproduce.runs import Experiment, Run, Step
 from fastanchor.reproduce.scales import Evaluation, TINY_EMBEDDED, setups
-from fastanchor.trainer.safety.testbed import SMALL_TESTBED, TINY_TESTBED, member_overrides
 
 # pretraining: the embedded generator with more classes and images, another seed (small), a little more (tiny)
 PRETRAIN = {
@@ -43,6 +42,8 @@ GROUP_LABELS = {"pretrained": "pretrained", "random": "random init"}
 
 def testbed_run(experiment: str, scale: str, data: str, out: str, device: str, progress: bool) -> Run:
     """The testbed as one run: a train step per member, then the fit (build_testbed finds the members trained)."""
+    from fastanchor.trainer.safety.testbed import SMALL_TESTBED, TINY_TESTBED, member_overrides  # torch: not for --help
+
     setup = next(iter(setups(scale, data).values()))
     folder = Path(out) / "er" / "testbed"
     members = TINY_TESTBED if scale == "tiny" else SMALL_TESTBED

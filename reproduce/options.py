@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
+from fastanchor.reproduce.runs import SCALES
 from fastanchor.trainer.config import option
 from fastanchor.trainer.flags import OnDevice
-
-SCALES = ("tiny", "small", "cifar", "imagenet")
 
 
 @dataclass

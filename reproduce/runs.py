@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fastanchor.reproduce.options import SCALES
+SCALES = ("tiny", "small", "cifar", "imagenet")
 
 
 @dataclass(frozen=True)
