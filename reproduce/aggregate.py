@@ -390,8 +390,14 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
         groups_of = ((view.plot_metrics, view.ylabel),) + view.more
         panels = [(s, str(i)) for s in setups for i, (patterns, _) in enumerate(groups_of) if pick(patterns, present)]
         panels = panels or [(setups[0], "0")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 8.0), 4.2), squeeze=False)
-    for ax, (setup, metric) in zip(axes[0], panels):
+    rows = [[p for p in panels if p[0] == s] for s in dict.fromkeys(s for s, _ in panels)]  # a row of panels per setup
+    rows = rows if len(rows) > 1 else [panels]
+    width = max(len(r) for r in rows)
+    fig, axes = plt.subplots(len(rows), width, figsize=(max(5.2 * width, 8.0), 4.2 * len(rows)), squeeze=False)
+    for i, row in enumerate(rows):
+        for ax in axes[i][len(row):]:
+            ax.set_visible(False)
+    for ax, (setup, metric) in zip([ax for i, row in enumerate(rows) for ax in axes[i][:len(row)]], panels):
         groups = [g for g in summary if g["setup"] == setup]
         if view.plot == "curve":
             values = [v for v in dict.fromkeys(g["value"] for g in groups) if v is not None]
