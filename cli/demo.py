@@ -48,13 +48,16 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 
 def sft_table(summaries: dict[str, dict]) -> str:
-    """The SFT before/after rows of every run side by side."""
+    """The SFT before/after rows of every run side by side, matched by metric name (an anchored model has scores a
+    standard one lacks: those cells read "-")."""
     kinds = list(summaries)
-    rows = {kind: summary_rows(s["before"], s["after"]) for kind, s in summaries.items()}
+    rows = {kind: {name: (b, a) for name, b, a in summary_rows(s["before"], s["after"])} for kind, s in summaries.items()}
+    names = list(dict.fromkeys(name for kind in kinds for name in rows[kind]))
     lines = ["| metric | " + " | ".join(f"{k} before | {k} after" for k in kinds) + " |",
              "|---|" + "---:|---:|" * len(kinds)]
-    for i, (name, _, _) in enumerate(rows[kinds[0]]):
-        lines.append(f"| {name} | " + " | ".join(f"{rows[k][i][1]:.2f} | {rows[k][i][2]:.2f}" for k in kinds) + " |")
+    for name in names:
+        cells = [" | ".join(f"{v:.2f}" for v in rows[k][name]) if name in rows[k] else "- | -" for k in kinds]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

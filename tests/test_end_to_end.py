@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from conftest import run_cli, tiny_overrides
@@ -66,6 +67,20 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
     for row in ("| OOD AUROC, energy on ood |", "| OOD AUROC, energy on ood_textures |",
                 "| OOD AUROC, energy, mean over the 2 OOD sets |", "| AUROC, energy on ood_textures (%) |"):
         assert row in summary, row
+    # every cell of the SFT table is its own run's number for that metric, read from finetune_ood/summary.json by
+    # score and set name (the anchored model has a score, anchored_std, the standard one lacks: rows match by name)
+    table = [line.split(" | ") for line in summary.split(sft_header)[1].splitlines()[2:] if line.startswith("| ")]
+    cells = {row[0].lstrip("| "): [c.strip(" |") for c in row[1:]] for row in table}
+    for column, kind in ((0, "standard"), (2, "anchored")):
+        sft = json.loads((demo_dir / kind / "finetune_ood" / "summary.json").read_text())
+        sets = list(sft["before"]["ood"]["sets"])
+        for score in sft["before"]["ood"]["sets"][sets[1]]:
+            for when, offset in (("before", 0), ("after", 1)):
+                per_set = [100 * sft[when]["ood"]["sets"][name][score]["auroc"] for name in sets]
+                shown = [float(cells[f"AUROC, {score}{'' if i == 0 else ' on ' + name} (%)"][column + offset])
+                         for i, name in enumerate(sets)]
+                mean = float(cells[f"AUROC, {score}, mean over the 2 OOD sets (%)"][column + offset])
+                assert shown == pytest.approx(per_set, abs=0.006) and mean == pytest.approx(sum(per_set) / 2, abs=0.006)
 
 
 def test_other_options_train_in_process(tiny_dataset, tmp_path):
