@@ -405,9 +405,12 @@ def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
     assert f"| logit | {line.slope:.4f} | {line.intercept:.4f} |" in markdown and "| CIFAR-10 | logit | r2 | 0.998 |" in markdown
     assert (out / "er-testbed" / "result.png").read_bytes() == (out / "er" / "testbed" / "testbed.png").read_bytes()
 
+    first = reproduce("er-finetune", *args, "--max-runs", "2").stdout  # stopped before the random-init run
+    assert "er-finetune/testbed: done (testbed_fit.json), skipped" in first  # the testbed is er-testbed's
+    assert "2 trained" in first and "stopped after training 2 run(s)" in first
+    assert not (out / "er" / "finetune" / "random-s0").exists() and not (out / "er" / "er_summary.json").exists()
     stdout = reproduce("er-finetune", *args).stdout
-    assert "er-finetune/testbed: done (testbed_fit.json), skipped" in stdout  # the testbed is er-testbed's
-    assert "3 trained" in stdout and "1 robustness measured, 1 ER binned" in stdout
+    assert "1 trained, 0 evaluated, 3 skipped (already done), 1 robustness measured, 1 ER binned" in stdout
     pretrained = load_config("demo", [])
     runs = {r["run"]: r for r in json.loads((out / "er-finetune" / "result.json").read_text())["runs"]}
     assert set(runs) == {"pretrained-s0", "random-s0"}
