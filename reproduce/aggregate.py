@@ -247,7 +247,8 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
             "paper_source": f"{paper['source']}, {experiment.source}", "scale": scale, "axis": experiment.axis,
             "paper": paper, "paper_file": f"{experiment.paper}.yaml", "setups": setup_papers}
     if experiment.aggregator:
-        return {**head, **experiment.aggregator(experiment, runs, out, scale, paper)}
+        finished = sum(run.result_file(out).is_file() for run in runs)
+        return {**head, **experiment.aggregator(experiment, runs, out, scale, paper), "finished": finished}
     rows, missing, seen = [], [], set()
     for run in runs:
         path = run.result_file(out)
@@ -279,7 +280,8 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
         summary.append({"setup": setup, "arm": arm, "value": value, "seeds": sorted(r["seed"] for r in members),
                         "metrics": stats, "paper_setup": compared,
                         "paper": {k: {"number": e["number"], "source": e["source"]} for k, e in numbers.items() if e}})
-    return {**head, "runs": rows, "missing": missing, "summary": summary,
+    finished = {"finished": len(runs) - len(missing)} if experiment.rows else {}  # rows are not runs there
+    return {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
             "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)"}
 
 
@@ -298,7 +300,7 @@ def markdown(result: dict) -> str:
     axis = result["axis"].replace("|", "\\|")  # a Markdown table cell
     lines = [f"# {result['experiment']}: {result['title']}", "",
              f"- paper: {result['paper_source']}",
-             f"- scale: {result['scale']}; runs: {len(result['runs'])} finished"
+             f"- scale: {result['scale']}; runs: {result.get('finished', len(result['runs']))} finished"
              + (f", {len(result['missing'])} not (yet): {', '.join(result['missing'])}" if result["missing"] else ""),
              f"- figures: mean ± {result['std']}; 'paper' columns: the paper's number for the same arm"
              + (f" and {axis}" if axis else "") + " (its setup named in the row)",
@@ -345,7 +347,7 @@ def markdown(result: dict) -> str:
 def er_markdown(result: dict) -> str:
     """The ER experiments' result.md: their tables (reproduce/er.py) and the paper's numbers as typed."""
     lines = [f"# {result['experiment']}: {result['title']}", "", f"- paper: {result['paper_source']}",
-             f"- scale: {result['scale']}; runs: {len(result['runs'])} finished"
+             f"- scale: {result['scale']}; runs: {result['finished']} finished"
              + (f", {len(result['missing'])} not (yet): {', '.join(result['missing'])}" if result["missing"] else ""), ""]
     lines += testbed_markdown(result) if result["kind"] == "er-testbed" else finetune_markdown(result)
     paper = result["paper"]

@@ -20,7 +20,6 @@ steps are robustness (every fine-tuning run's robustness_over_training.json) and
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
 from fastanchor.reproduce.runs import Experiment, Run, Step
@@ -195,8 +194,3 @@ ER_EXPERIMENTS = (
                "Figures 1 and 3, Section 5", "", {"default": (None,)}, tuple(LEARNING_RATE), 3, 0, ER_EVALUATION,
                paper="003", scales=("tiny", "small"), planner=plan_finetune, aggregator=finetune_result),
 )
-
-
-def python_line(code: str) -> str:
-    """A `python -c` command line (for --dry-run) of the steps that have no command of their own."""
-    return shlex.join(["python", "-c", code])

@@ -47,7 +47,7 @@ def index(root: Path) -> str:
              "| experiment | paper | scale | runs | command |", "| --- | --- | --- | ---: | --- |"]
     for path in sorted(root.glob("*/result.json")):
         result = json.loads(path.read_text())
-        runs = f"{len(result['runs'])}" + (f" ({len(result['missing'])} missing)" if result["missing"] else "")
+        runs = f"{result.get('finished', len(result['runs']))}" + (f" ({len(result['missing'])} missing)" if result["missing"] else "")
         lines.append(f"| [{result['experiment']}]({path.parent.name}/README.md): {result['title']} | "
                      f"{result['source']} | {result['scale']} | {runs} | "
                      f"`{result.get('command', '')}` |")

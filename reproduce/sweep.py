@@ -14,12 +14,16 @@ import shlex
 from pathlib import Path
 
 from fastanchor.reproduce.aggregate import aggregate, write_results
-from fastanchor.reproduce.er import python_line
 from fastanchor.reproduce.experiments import EXPERIMENTS, Experiment, Run, plan
 from fastanchor.reproduce.options import ReproduceOptions
 from fastanchor.reproduce.record import write_index, write_record
 from fastanchor.reproduce.runs import Step
 from fastanchor.reproduce.scales import setups
+
+
+def python_line(code: str) -> str:
+    """A `python -c` command line (for --dry-run) of the steps that have no command of their own."""
+    return shlex.join(["python", "-c", code])
 
 
 def step_line(step: Step, device: str) -> str:
