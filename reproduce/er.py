@@ -74,7 +74,8 @@ def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds
     pretrain_root = home / "data" / "pretrain" if scale == "tiny" else Path("data/embedded_pretrain")
     embedded = {**(TINY_EMBEDDED if scale == "tiny" else {}), **{k: v for k, v in p.items() if k != "epochs"}}
     pretrain = Step("train", str(home / "pretrain" / "final.pt"), recipe=setup.standard, overrides=(
-        *setup.train, f"data.root={pretrain_root}", *(f"embedded.{k}={v}" for k, v in embedded.items()),
+        *(o for o in setup.train if not o.startswith(("data.root=", "embedded."))), f"data.root={pretrain_root}",
+        *(f"embedded.{k}={v}" for k, v in embedded.items()),
         "anchor.enabled=false", f"train.epochs={p['epochs']}", "train.seed=0", f"train.out_dir={home}",
         "train.run_name=pretrain", *quiet))
     runs.append(Run(experiment.name, "pretrain", setup.name, "pretrain", None, 0, setup.standard, pretrain.overrides, (),
