@@ -28,7 +28,9 @@ import numpy as np
 import yaml
 
 from fastanchor.files import atomic_write_bytes
+from fastanchor.reproduce.er import finetune_markdown, testbed_markdown
 from fastanchor.reproduce.experiments import ARM_LABELS, EXPERIMENTS, WHOLE, Experiment, Run
+from fastanchor.reproduce.sft import SETS as SFT_SETS
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
 VISION_OOD = ("iSUN", "Textures", "Places365")
@@ -58,11 +60,11 @@ def same_value(a, b) -> bool:
         return str(a) == str(b)
 
 
-def paper_setup_for(entries: list[dict], setup_paper: str) -> str | None:
-    """The paper's setup our setup is compared with: its own when the paper has it, else the only one the
-    experiment's numbers have (e.g. Table 4's CIFAR-100 ResNet-18 for the small-scale demo setup)."""
+def paper_setup_for(entries: list[dict], setup_paper: str, strict: bool = False) -> str | None:
+    """The paper's setup our setup is compared with: its own when the paper has it, else (unless `strict`) the only
+    one the experiment's numbers have (e.g. Table 4's CIFAR-100 ResNet-18 for the small-scale demo setup)."""
     setups = list(dict.fromkeys(e["setup"] for e in entries))
-    return setup_paper if setup_paper in setups else setups[0] if len(setups) == 1 else None
+    return setup_paper if setup_paper in setups else setups[0] if len(setups) == 1 and not strict else None
 
 
 def paper_number(entries: list[dict], setup: str | None, arm: str, value, metric: str) -> dict | None:
@@ -146,6 +148,12 @@ class View:
     plot_metrics: tuple[str, ...]
     ylabel: str
     more: tuple[tuple[tuple[str, ...], str], ...] = ()  # bars_metrics: further panels (metrics, y label)
+    plot_arms: str = ""        # the arms drawn (a regular expression; '': all)
+
+
+# SFT tables (paper 002): ID top-1 and its change, then AUROC and FPR95 per OOD set, then the losses after
+SFT_COLUMNS = ("id_top1", "id_top1_change", *(f"{s}_auroc" for s in SFT_SETS), *(f"{s}_fpr95" for s in SFT_SETS),
+               "ood_loss_first", "ood_loss_last")
 
 
 VIEWS = {
@@ -161,6 +169,13 @@ VIEWS = {
     "tab4": View(("id_top1", "c_mean"), "curve", ("id_top1", "c_mean"), "top-1 (%)"),
     "fig5a": View(("c_sev5", "id_top1"), "bars_values", ("c_sev5",), "corruption top-1 at severity 5 (%)"),
     "fig5b": View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"),
+    **{name: View(SFT_COLUMNS, "bars_metrics", tuple(f"{s}_auroc" for s in SFT_SETS), "energy AUROC (%)",
+                  ((("id_top1",), "ID top-1 (%)"),), plot_arms=r"energy.*")
+       for name in ("sft-tab1-2", "sft-tab4", "sft-tab6", "sft-tab8")},
+    **{name: View(SFT_COLUMNS, "curve", ("average_auroc", "textures_auroc", "id_top1"), "", plot_arms=r"energy.*")
+       for name in ("sft-tab5", "sft-tab7")},
+    "er-testbed": View((), "copy", (), ""),
+    "er-finetune": View((), "copy", (), ""),
 }
 METRIC_LABELS = {"id_top1": "ID top-1", "id_top1_k": "ID top-1, K refs", "id_top1_blt": "ID top-1, BLT",
                  "c_mean": "C mean", "cbar_mean": "C-bar mean", "c_top1_k": "C mean, K refs", "c_top1_blt": "C mean, BLT",
@@ -173,7 +188,33 @@ def label(metric: str) -> str:
     found = re.fullmatch(r"(c|cbar)_sev(\d)", metric)
     if found:
         return f"{'C' if found[1] == 'c' else 'C-bar'} sev {found[2]}"
+    found = re.fullmatch(r"(.+)_(auroc|fpr95)", metric)
+    if found and not metric.startswith("auroc_"):
+        return f"{found[1]} {'AUROC' if found[2] == 'auroc' else 'FPR95'}"
     return METRIC_LABELS.get(metric, metric.replace("auroc_", "AUROC ").replace("_top1", " top-1").replace("_", " "))
+
+
+SFT_ARMS = ("msp", "energy", "maxlogit")  # the scores, before fine-tuning; each score's after-arms follow it
+
+
+def arm_label(arm: str) -> str:
+    return ARM_LABELS.get(arm, arm)
+
+
+def arm_rank(arm: str) -> tuple:
+    """Table order: the anchoring paper's arms, then each score before and after fine-tuning."""
+    if arm in ARM_LABELS:
+        return (0, list(ARM_LABELS).index(arm), "")
+    score = arm.split("+")[0]
+    return (1, SFT_ARMS.index(score) if score in SFT_ARMS else len(SFT_ARMS), arm)
+
+
+PALETTE = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+
+
+def colour(arm: str, arms: list[str]) -> str:
+    known = {"standard": "tab:blue", "anchored": "tab:red", "masking": "tab:green"}
+    return known.get(arm, PALETTE[arms.index(arm) % len(PALETTE)] if arm in arms else "tab:gray")
 
 
 def pick(patterns: tuple[str, ...], present: list[str]) -> list[str]:
@@ -192,16 +233,36 @@ def natural(text: str):
 
 
 def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, setup_papers: dict[str, str]) -> dict:
-    """Every run's metrics (or its absence) and the mean +- std (ddof 1) over seeds per (setup, arm, value)."""
-    rows, missing = [], []
+    """Every run's metrics (or its absence) and the mean +- std (ddof 1) over seeds per (setup, arm, value).
+
+    A run gives one row (its eval.json's metrics_of) or, through `experiment.rows`, several (an SFT fine-tune: each
+    score before and after); a row repeated by several runs (the same base model's scores before fine-tuning) is
+    counted once per seed. Experiments whose result is not such a table (the ER ones) have an `aggregator`."""
+    paper = paper_numbers(experiment.name, experiment.paper)
+    for block in experiment.paper_also:  # rows the paper does not type twice (SFT Tables 4, 6-8 repeat Tables 1-2)
+        typed = {(e["setup"], e["arm"], json.dumps(e["value"]), e["metric"]) for e in paper["entries"]}
+        paper["entries"] += [e for e in paper_numbers(block, experiment.paper)["entries"]
+                             if (e["setup"], e["arm"], json.dumps(e["value"]), e["metric"]) not in typed]
+    head = {"experiment": experiment.name, "title": experiment.title, "source": experiment.source,
+            "paper_source": f"{paper['source']}, {experiment.source}", "scale": scale, "axis": experiment.axis,
+            "paper": paper, "paper_file": f"{experiment.paper}.yaml", "setups": setup_papers}
+    if experiment.aggregator:
+        finished = sum(run.result_file(out).is_file() for run in runs)
+        return {**head, **experiment.aggregator(experiment, runs, out, scale, paper), "finished": finished}
+    rows, missing, seen = [], [], set()
     for run in runs:
-        path = run.folder(out) / "eval.json"
+        path = run.result_file(out)
         if not path.is_file():
             missing.append(run.name)
             continue
-        rows.append({"run": run.name, "setup": run.setup, "arm": run.arm, "value": run.value, "seed": run.seed,
-                     "metrics": metrics_of(json.loads(path.read_text()))})
-    paper = paper_numbers(experiment.name, experiment.paper)
+        result = json.loads(path.read_text())
+        given = experiment.rows(run, result) if experiment.rows else [(run.arm, run.value, metrics_of(result))]
+        for arm, value, metrics in given:
+            key = (run.setup, arm, json.dumps(value), run.seed)
+            if key not in seen:
+                seen.add(key)
+                rows.append({"run": run.name, "setup": run.setup, "arm": arm, "value": value, "seed": run.seed,
+                             "metrics": metrics})
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["setup"], row["arm"], json.dumps(row["value"])), []).append(row)
@@ -214,15 +275,13 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
             values = [r["metrics"][key] for r in members if key in r["metrics"]]
             stats[key] = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
                           "n": len(values)}
-        compared = paper_setup_for(paper["entries"], setup_papers.get(setup, ""))
+        compared = paper_setup_for(paper["entries"], setup_papers.get(setup, ""), experiment.strict_paper_setup)
         numbers = {key: paper_number(paper["entries"], compared, arm, value, key) for key in keys}
         summary.append({"setup": setup, "arm": arm, "value": value, "seeds": sorted(r["seed"] for r in members),
                         "metrics": stats, "paper_setup": compared,
                         "paper": {k: {"number": e["number"], "source": e["source"]} for k, e in numbers.items() if e}})
-    return {"experiment": experiment.name, "title": experiment.title, "source": experiment.source,
-            "paper_source": f"{paper['source']}, {experiment.source}",
-            "scale": scale, "axis": experiment.axis, "runs": rows, "missing": missing, "summary": summary,
-            "paper": paper, "paper_file": f"{experiment.paper}.yaml", "setups": setup_papers,
+    finished = {"finished": len(runs) - len(missing)} if experiment.rows else {}  # rows are not runs there
+    return {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
             "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)"}
 
 
@@ -234,12 +293,14 @@ def fmt(stat: dict | None, digits: int = 2) -> str:
 
 def markdown(result: dict) -> str:
     view = VIEWS[result["experiment"]]
+    if view.plot == "copy":
+        return er_markdown(result)
     present = sorted({k for g in result["summary"] for k in g["metrics"]}, key=natural)
     columns = pick(view.columns, present)
     axis = result["axis"].replace("|", "\\|")  # a Markdown table cell
     lines = [f"# {result['experiment']}: {result['title']}", "",
              f"- paper: {result['paper_source']}",
-             f"- scale: {result['scale']}; runs: {len(result['runs'])} finished"
+             f"- scale: {result['scale']}; runs: {result.get('finished', len(result['runs']))} finished"
              + (f", {len(result['missing'])} not (yet): {', '.join(result['missing'])}" if result["missing"] else ""),
              f"- figures: mean ± {result['std']}; 'paper' columns: the paper's number for the same arm"
              + (f" and {axis}" if axis else "") + " (its setup named in the row)",
@@ -250,11 +311,11 @@ def markdown(result: dict) -> str:
         head.append(label(metric))
         if any(metric in g["paper"] for g in result["summary"]):
             head.append(f"paper {label(metric)}")
-    for g in sorted(result["summary"], key=lambda g: (g["setup"], list(ARM_LABELS).index(g["arm"]), natural(str(g["value"])))):
-        cells = [g["setup"] + (f" (paper: {g['paper_setup']})" if g["paper"] else ""), ARM_LABELS[g["arm"]]]
+    for g in sorted(result["summary"], key=lambda g: (g["setup"], arm_rank(g["arm"]), natural(str(g["value"])))):
+        cells = [g["setup"] + (f" (paper: {g['paper_setup']})" if g["paper"] else ""), arm_label(g["arm"])]
         cells += ([str(g["value"]) if g["value"] is not None else "-"] if axis else []) + [str(len(g["seeds"]))]
         for metric in columns:
-            cells.append(fmt(g["metrics"].get(metric), 3 if metric.startswith("smece") else 2))
+            cells.append(fmt(g["metrics"].get(metric), 3 if metric.startswith(("smece", "ood_loss")) else 2))
             if any(metric in h["paper"] for h in result["summary"]):
                 cells.append(str(g["paper"][metric]["number"]) if metric in g["paper"] else "-")
         body.append(cells)
@@ -276,8 +337,26 @@ def markdown(result: dict) -> str:
                   "| --- | --- | " + ("--- | " if axis else "") + " | ".join("---:" for _ in metrics) + " |"]
         for (setup, arm, value), numbers in keyed.items():
             shown = json.loads(value)
-            lines.append(f"| {setup} | {ARM_LABELS[arm]} | " + (f"{shown if shown is not None else '-'} | " if axis else "")
+            lines.append(f"| {setup} | {arm_label(arm)} | " + (f"{shown if shown is not None else '-'} | " if axis else "")
                          + " | ".join(str(numbers.get(m, "-")) for m in metrics) + " |")
+        lines.append("")
+    lines += [f"![{result['experiment']}](result.png)", ""]
+    return "\n".join(lines)
+
+
+def er_markdown(result: dict) -> str:
+    """The ER experiments' result.md: their tables (reproduce/er.py) and the paper's numbers as typed."""
+    lines = [f"# {result['experiment']}: {result['title']}", "", f"- paper: {result['paper_source']}",
+             f"- scale: {result['scale']}; runs: {result['finished']} finished"
+             + (f", {len(result['missing'])} not (yet): {', '.join(result['missing'])}" if result["missing"] else ""), ""]
+    lines += testbed_markdown(result) if result["kind"] == "er-testbed" else finetune_markdown(result)
+    paper = result["paper"]
+    lines += ["", "## The paper's numbers", ""] + ([paper["not_typed"], ""] if paper["not_typed"] else [])
+    for source in dict.fromkeys(e["source"] for e in paper["entries"]):
+        entries = [e for e in paper["entries"] if e["source"] == source]
+        lines += [f"{source} (typed in reproduce/paper_numbers/{result['paper_file']}):", "",
+                  "| setup | row | metric | number |", "| --- | --- | --- | ---: |"]
+        lines += [f"| {e['setup']} | {e['arm']} | {e['metric']} | {e['number']} |" for e in entries]
         lines.append("")
     lines += [f"![{result['experiment']}](result.png)", ""]
     return "\n".join(lines)
@@ -300,11 +379,11 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
     import matplotlib.pyplot as plt
 
     view = VIEWS[result["experiment"]]
-    summary = result["summary"]
+    summary = [g for g in result["summary"] if not view.plot_arms or re.fullmatch(view.plot_arms, g["arm"])]
     present = sorted({k for g in summary for k in g["metrics"]}, key=natural)
     setups = list(dict.fromkeys(g["setup"] for g in summary)) or ["(no runs)"]
-    arms = [a for a in ARM_LABELS if any(g["arm"] == a for g in summary)]
-    colours = {"standard": "tab:blue", "anchored": "tab:red", "masking": "tab:green"}
+    arms = sorted(dict.fromkeys(g["arm"] for g in summary), key=arm_rank)
+    colours = {arm: colour(arm, arms) for arm in arms}
     if view.plot in ("curve", "bars_values"):
         panels = [(s, m) for s in setups for m in pick(view.plot_metrics, present)] or [(setups[0], "")]
     elif view.plot == "severity":
@@ -313,8 +392,14 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
         groups_of = ((view.plot_metrics, view.ylabel),) + view.more
         panels = [(s, str(i)) for s in setups for i, (patterns, _) in enumerate(groups_of) if pick(patterns, present)]
         panels = panels or [(setups[0], "0")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.2 * len(panels), 8.0), 4.2), squeeze=False)
-    for ax, (setup, metric) in zip(axes[0], panels):
+    rows = [[p for p in panels if p[0] == s] for s in dict.fromkeys(s for s, _ in panels)]  # a row of panels per setup
+    rows = rows if len(rows) > 1 else [panels]
+    width = max(len(r) for r in rows)
+    fig, axes = plt.subplots(len(rows), width, figsize=(max(5.2 * width, 8.0), 4.2 * len(rows)), squeeze=False)
+    for i, row in enumerate(rows):
+        for ax in axes[i][len(row):]:
+            ax.set_visible(False)
+    for ax, (setup, metric) in zip([ax for i, row in enumerate(rows) for ax in axes[i][:len(row)]], panels):
         groups = [g for g in summary if g["setup"] == setup]
         if view.plot == "curve":
             values = [v for v in dict.fromkeys(g["value"] for g in groups) if v is not None]
@@ -325,16 +410,16 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                               key=lambda g: xs.get(g["value"], 0))
                 if mine and mine[0]["value"] is None:  # an arm that sweeps nothing: a level line
                     stat = mine[0]["metrics"][metric]
-                    ax.axhline(stat["mean"], color=colours[arm], ls="--", label=ARM_LABELS[arm])
+                    ax.axhline(stat["mean"], color=colours[arm], ls="--", label=arm_label(arm))
                     continue
                 if mine:
                     ax.errorbar([xs[g["value"]] for g in mine], [g["metrics"][metric]["mean"] for g in mine],
                                 yerr=[g["metrics"][metric]["std"] for g in mine], color=colours[arm], marker="o",
-                                capsize=3, label=ARM_LABELS[arm])
+                                capsize=3, label=arm_label(arm))
                 papers = [(xs[g["value"]], g["paper"][metric]["number"]) for g in mine if metric in g["paper"]]
                 if papers:
                     ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=colours[arm],
-                            label=f"{ARM_LABELS[arm]}, paper ({mine[0]['paper_setup']})")
+                            label=f"{arm_label(arm)}, paper ({mine[0]['paper_setup']})")
             if experiment_is_log(result):
                 ax.set_xscale("log")
                 ax.set_xticks(list(xs.values()), [f"all ({xs[v]})" if v == WHOLE and (whole or {}).get(setup) else "all" if v == WHOLE else str(v) for v in xs])
@@ -351,11 +436,11 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                 stats = [g["metrics"].get(k) for k in keys]
                 ax.errorbar(severities, [s["mean"] if s else np.nan for s in stats],
                             yerr=[s["std"] if s else 0 for s in stats], marker="o", capsize=3, color=colours[arm],
-                            label=ARM_LABELS[arm])
+                            label=arm_label(arm))
                 papers = [(int(k[-1]), g["paper"][k]["number"]) for k in keys if k in g["paper"]]
                 if papers:
                     ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=colours[arm],
-                            label=f"{ARM_LABELS[arm]}, paper ({g['paper_setup']})")
+                            label=f"{arm_label(arm)}, paper ({g['paper_setup']})")
             ax.set_xlabel("severity")
             ax.set_ylabel(("C-bar" if "cbar" in metric else "C") + " mean top-1 (%)")
             ax.set_xticks(severities or [1])
@@ -384,7 +469,7 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
                     stat = next((cell(g, tick) for g in mine if cell(g, tick)), None)
                     if stat:
                         ax.bar(j + (i - (len(arms) - 1) / 2) * width, stat["mean"], width, yerr=stat["std"], capsize=2,
-                               color=colours[arm], label=once(ARM_LABELS[arm]))
+                               color=colours[arm], label=once(arm_label(arm)))
                     number = next((mark(g, tick) for g in mine if mark(g, tick)), None)
                     if number:
                         ax.plot(j + (i - (len(arms) - 1) / 2) * width, number["number"], marker="_", ms=14, mew=2,
@@ -405,10 +490,14 @@ def figure(result: dict, path: Path, whole: dict[str, int] | None = None) -> Non
 
 
 def write_results(result: dict, folder: Path, whole: dict[str, int] | None = None) -> dict[str, Path]:
-    """result.json, result.md and result.png into `folder` (each written atomically)."""
+    """result.json, result.md and result.png into `folder` (each written atomically). The ER experiments' figure is
+    the one their last step drew (the testbed's, the binned ER), copied; a blank one until it exists."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {name: folder / name for name in ("result.json", "result.md", "result.png")}
     atomic_write_bytes(paths["result.json"], lambda h: h.write(json.dumps(result, indent=2).encode()))
     atomic_write_bytes(paths["result.md"], lambda h: h.write(markdown(result).encode()))
-    figure(result, paths["result.png"], whole)
+    if VIEWS[result["experiment"]].plot == "copy" and result.get("figure"):
+        atomic_write_bytes(paths["result.png"], lambda h: h.write(Path(result["figure"]).read_bytes()))
+    else:
+        figure(result, paths["result.png"], whole)
     return paths

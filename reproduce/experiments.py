@@ -1,9 +1,10 @@
 """The experiments of paper 000 (Narayanaswamy et al. 2024, anchoring) as declarative tables of runs.
 
-An `Experiment` names what it sweeps (`values`, per scale), the training arms compared at each value,
+The types are in runs.py. An `Experiment` names what it sweeps (`values`, per scale), the training arms compared at each value,
 the default number of seeds, the small-scale epochs and what is evaluated. `plan()` expands it into
 `Run`s for a scale: one `fastanchor train` (recipe + overrides) and one `fastanchor evaluate` each.
-Issue 27's SFT and effective-robustness experiments plug in as more entries of EXPERIMENTS.
+Issue 27's SFT (sft.py) and effective-robustness (er.py) experiments are more entries of EXPERIMENTS,
+with planners of their own (runs of several steps sharing their base training).
 
 Arms: standard (3-channel model), anchored (vanilla anchoring, alpha = 0) and masking (the paper's
 "proposed": reference masking with the setup's alpha, whole batches masked, as the paper does).
@@ -13,57 +14,17 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from fastanchor.errors import ConfigError
+from fastanchor.reproduce.er import ER_EXPERIMENTS
+from fastanchor.reproduce.runs import Experiment, Run, Step  # noqa: F401 (the sweep's vocabulary, read from here)
 from fastanchor.reproduce.scales import Evaluation, Setup, setups
+from fastanchor.reproduce.sft import SFT_EXPERIMENTS
 
 ARMS = ("standard", "anchored", "masking")
 ARM_LABELS = {"standard": "Standard", "anchored": "Anchored (alpha 0)", "masking": "Masking (proposed)"}
 WHOLE = "whole"  # |R| = the whole training set
-
-
-@dataclass(frozen=True)
-class Run:
-    experiment: str
-    name: str                  # the run's folder under <out>/<experiment>/
-    setup: str
-    arm: str
-    value: object              # the swept value (None: the experiment sweeps nothing for this arm)
-    seed: int
-    recipe: str
-    train: tuple[str, ...]     # `fastanchor train --set` overrides (output folder and seed included)
-    evaluate: tuple[str, ...]  # `fastanchor evaluate --set` overrides
-
-    def folder(self, out: Path) -> Path:
-        return Path(out) / self.experiment / self.name
-
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    title: str                 # one line for --help
-    source: str                # the paper's figure or table
-    axis: str                  # what `values` are ('' : nothing swept)
-    values: dict[str, tuple]   # per scale ('default' for the scales not named)
-    arms: tuple[str, ...]
-    seeds: int
-    small_epochs: int
-    evaluation: dict[str, Evaluation]  # per scale ('default' for the rest)
-    overrides: Callable[[Setup, str, object], list[str]] = lambda setup, arm, value: []
-    arm_values: Callable[[str, tuple], tuple] = lambda arm, values: values  # the values an arm runs at
-    setups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per scale; default: the first setup
-    # how the result is shown (table columns, figure layout): aggregate.VIEWS[name]
-    log_x: bool = False
-    paper: str = "000"         # the paper (papers/<paper>_*.txt) and its numbers file paper_numbers/<paper>.yaml
-
-    def values_at(self, scale: str) -> tuple:
-        return self.values.get(scale, self.values["default"])
-
-    def evaluation_at(self, scale: str) -> Evaluation:
-        return self.evaluation.get(scale, self.evaluation["default"])
 
 
 def arm_overrides(setup: Setup, arm: str) -> tuple[str, list[str]]:
@@ -150,6 +111,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
         "label noise (%)", {"tiny": (0, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 2, 8,
         {"default": CORRUPTION_C}, label_noise, setups={"cifar": ("cifar100_resnet18",)}),
+    *SFT_EXPERIMENTS,
+    *ER_EXPERIMENTS,
 )}
 
 
@@ -161,7 +124,7 @@ def unknown_experiment(name: str) -> ConfigError:
 
 def experiment_lines() -> str:
     """One line per experiment, for `fastanchor reproduce --help`."""
-    return "experiments:\n" + "\n".join(f"  {e.name:<6} {e.title} (paper {e.paper}, {e.source})" for e in EXPERIMENTS.values())
+    return "experiments:\n" + "\n".join(f"  {e.name:<11} {e.title} (paper {e.paper}, {e.source})" for e in EXPERIMENTS.values())
 
 
 AXIS_KEYS = {"|R|": "R", "alpha": "alpha", "augmentation": "", "label noise (%)": "noise"}  # run-name prefixes
@@ -174,6 +137,11 @@ def value_slug(value) -> str:
 def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
          progress: bool = True) -> tuple[list[Run], list[str]]:
     """Every run of `experiment` at `scale`, and notes on the data the plan found or left out."""
+    if scale not in experiment.scales:
+        raise ConfigError(f"--scale {scale}: {experiment.name} runs at {', '.join(experiment.scales)} "
+                          f"(docs/reproduce.md says why)")
+    if experiment.planner:
+        return experiment.planner(experiment, scale, data, out, seeds, device, progress)
     found = setups(scale, data)
     names = experiment.setups.get(scale, (next(iter(found)),))
     count = seeds or (1 if scale == "tiny" else experiment.seeds)

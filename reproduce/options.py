@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastanchor.reproduce.runs import SCALES
 from fastanchor.trainer.config import option
 from fastanchor.trainer.flags import Checked, OnDevice
-
-SCALES = ("tiny", "small", "cifar", "imagenet")
 
 
 @dataclass

@@ -22,7 +22,8 @@ PACKAGES = ("", "kernels", "pipeline", "pipeline/loaders", "pipeline/beton", "pi
             "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
             "reproduce", "cli")  # folders whose *.py are the modules
 DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/shifts/imagenet_r_wnids.txt", "pipeline/shifts/c_bar_levels.json",
-              "reproduce/paper_numbers/000.yaml", "reproduce/paper_numbers/002.yaml")
+              "reproduce/paper_numbers/000.yaml", "reproduce/paper_numbers/002.yaml",
+              "reproduce/paper_numbers/003.yaml")
 
 
 def shipped_files() -> set[str]:

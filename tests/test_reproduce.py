@@ -1,8 +1,10 @@
 """`fastanchor reproduce`: every experiment at tiny size end to end (real JPEGs, real training steps,
-the real evaluator), the paper-scale command lines parsed by the config loader, and resumption.
+the real evaluator, the real SFT fine-tuning and robustness measurement), the paper-scale command lines
+parsed by the config loader, and resumption.
 
 The aggregated numbers are checked against their own recomputation from each run's eval.json
-per-set entries (not the evaluator's per-severity means the aggregation reads)."""
+per-set entries (not the evaluator's per-severity means the aggregation reads), from each fine-tune's
+summary.json, and, for the ER experiments, against scipy's line fit and the ER formula computed here."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ from fastanchor.reproduce.record import regenerate
 from fastanchor.reproduce.scales import TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
 from fastanchor.trainer.config import load_config
+
+ANCHORING = [name for name, e in EXPERIMENTS.items() if e.paper == "000"]
+SFT = [name for name, e in EXPERIMENTS.items() if e.paper == "002"]
+
 
 def reproduce(*args):
     result = run_main("reproduce", *map(str, args))
@@ -64,7 +70,7 @@ def sets(argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("scale", ["cifar", "imagenet"])
-@pytest.mark.parametrize("experiment", list(EXPERIMENTS))
+@pytest.mark.parametrize("experiment", [name for name, e in EXPERIMENTS.items() if "cifar" in e.scales])
 def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tmp_path):
     out = tmp_path / "out"
     text = reproduce(experiment, "--scale", scale, "--data", tmp_path / "data", "--out", out, "--dry-run").stdout
@@ -146,7 +152,7 @@ HEAVIER = {"fig1", "fig5a", "fig5b"}  # five or six tiny runs each
 
 
 @pytest.mark.parametrize("experiment", [pytest.param(e, marks=pytest.mark.slow) if e in HEAVIER else e
-                                        for e in EXPERIMENTS])
+                                        for e in ANCHORING])
 def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
     out = tmp_path / "out"
     stdout = reproduce(experiment, "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress",
@@ -264,3 +270,165 @@ def test_dry_run_reads_the_pre_generated_sets_that_are_there(tmp_path):
     assert dict(o.split("=", 1) for o in sets(evaluate))["eval.ood_sets"] == \
         f"[Textures={root / 'ood/Textures'}, NINCO={root / 'ood/NINCO'}]"
     assert "no iSUN, Places365 folder" in text and "imagenet-c not found" not in text  # tab3 evaluates no corruption
+
+
+# ----------------------------------------------------------------------------------------------
+# Paper 002 (SFT) and paper 003 (effective robustness): runs of several steps sharing their base training
+
+
+def sft_expected(summary: dict, when: str, score: str) -> dict[str, float]:
+    """One score's table row recomputed from a fine-tune's summary.json: per-set AUROC and FPR95 in %, their mean."""
+    sets = summary[when]["ood"]["sets"]
+    names = {"ood": "shapes", "ood_textures": "textures"}
+    row = {f"{names.get(s, s)}_{m}": 100 * sets[s][score][m] for s in sets for m in ("auroc", "fpr95")}
+    for m in ("auroc", "fpr95"):
+        row[f"average_{m}"] = 100 * float(np.mean([sets[s][score][m] for s in sets]))
+    return {**row, "id_top1": summary[when]["id"]["top1"]}
+
+
+def check_sft_result(experiment: str, out: Path, runs) -> dict:
+    result = json.loads((out / experiment / "result.json").read_text())
+    assert result["missing"] == []
+    assert (out / experiment / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paper = paper_numbers(experiment, "002")["entries"] + paper_numbers("sft-tab1-2", "002")["entries"]
+    for run in runs:
+        summary = json.loads(run.result_file(out).read_text())
+        assert summary["finetune_ood"]["checkpoint"] == str(out / "sft" / "base" / f"{run.setup}-s{run.seed}" / "final.pt")
+        assert set(summary["after"]["ood"]["sets"]) == {"ood", "ood_textures", "pseudo_ood", "jigsaw4"}
+        for when, arm, value in (("before", "energy", 0 if experiment == "sft-tab5" else None),
+                                 ("after", "energy" + run.arm, run.value)):
+            group = next(g for g in result["summary"] if (g["setup"], g["arm"], g["value"]) == (run.setup, arm, value))
+            for key, number in sft_expected(summary, when, "energy").items():
+                assert group["metrics"][key]["mean"] == pytest.approx(number), (run.name, when, key)
+            compared = {"resnet_tiny-gn": "ResNetv2-101"}.get(run.setup)  # BatchNorm: no paper model to stand beside
+            expected = {e["metric"]: e["number"] for e in reversed(paper)  # the table's own number first
+                        if e["setup"] == compared and e["arm"] == arm and e["value"] == value}
+            assert {k: v["number"] for k, v in group["paper"].items()} == {k: v for k, v in expected.items()
+                                                                              if k in group["metrics"]}
+    return result
+
+
+def test_sft_tables_share_their_base_models_and_fine_tunes(tiny_dataset, tmp_path):
+    """Tables 1-2 then Table 4 at tiny size: each model is trained once (a stopped sweep goes on), Table 4 reuses
+    Tables 1-2's fine-tunes of the paper's step and adds only its OOD-weight-0 control; every number of the
+    result is the fine-tune's summary.json, with the paper's number beside the GroupNorm model only."""
+    out = tmp_path / "out"
+    args = ("--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress")
+    first = reproduce("sft-tab1-2", *args, "--max-runs", "1").stdout
+    runs, _ = plan(EXPERIMENTS["sft-tab1-2"], "tiny", str(tiny_dataset), str(out))
+    assert [r.setup for r in runs] == ["resnet_tiny-bn", "resnet_tiny-gn"]
+    assert "1 trained, 0 evaluated, 0 skipped (already done), 1 OOD sets made, 1 fine-tuned" in first
+    assert "stopped after training 1 run(s)" in first and not (out / "sft" / "base" / "resnet_tiny-gn-s0").exists()
+    done = runs[0].result_file(out)
+    stamp = done.stat().st_mtime_ns
+    second = reproduce("sft-tab1-2", *args).stdout
+    assert "1 trained, 0 evaluated, 1 skipped (already done), 1 fine-tuned" in second
+    check_sft_result("sft-tab1-2", out, runs)
+
+    third = reproduce("sft-tab4", *args).stdout
+    assert "0 trained, 0 evaluated, 2 skipped (already done), 2 fine-tuned" in third
+    assert done.stat().st_mtime_ns == stamp  # the paper's step is Tables 1-2's own fine-tune, not run again
+    tab4, _ = plan(EXPERIMENTS["sft-tab4"], "tiny", str(tiny_dataset), str(out))
+    result = check_sft_result("sft-tab4", out, tab4)
+    control = next(r for r in tab4 if r.arm == "+sft_only_id_data")
+    assert json.loads(control.result_file(out).read_text())["finetune_ood"]["ood_weight"] == 0.0
+    assert sorted(p.name for p in (out / "sft" / "base").iterdir()) == ["resnet_tiny-bn-s0", "resnet_tiny-gn-s0"]
+    arms = {g["arm"] for g in result["summary"]}
+    assert {"energy", "energy+sft", "energy+sft_only_id_data", "msp", "msp+sft"} <= arms
+    assert "| resnet_tiny-gn (paper: ResNetv2-101) | energy+sft_only_id_data |" in (out / "sft-tab4" / "result.md").read_text()
+
+
+@pytest.mark.slow
+def test_sft_ablation_tables_run_at_tiny_size(tiny_dataset, tmp_path):
+    """Tables 5-8: each setting is its own fine-tune (steps, rho, SAM on everything, SGD), the paper's step shared."""
+    out = tmp_path / "out"
+    args = ("--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress")
+    for experiment, key, values in (("sft-tab5", "steps", {1, 2}), ("sft-tab7", "rho", {0.05, 0.5}),
+                                    ("sft-tab6", "optimizer", {"sam_norm", "sam"}), ("sft-tab8", "optimizer", {"sam_norm", "sgd"})):
+        reproduce(experiment, *args)
+        runs, _ = plan(EXPERIMENTS[experiment], "tiny", str(tiny_dataset), str(out))
+        seen = {json.loads(r.result_file(out).read_text())["finetune_ood"][key] for r in runs}
+        assert seen == values, experiment
+        check_sft_result(experiment, out, runs)
+    assert len(list((out / "sft" / "base").iterdir())) == 2  # two models, one seed: trained once for four tables
+
+
+def test_sft_and_er_dry_runs_at_small_scale_parse(tmp_path):
+    """Every small-scale command line of the new experiments parses (train and finetune-ood overrides by the config
+    loader), fine-tunes of one model and seed name one base run, and the paper's scales are refused in one line."""
+    from fastanchor.cli import build_parser
+
+    out = tmp_path / "out"
+    for experiment in [*SFT, "er-testbed", "er-finetune"]:
+        text = reproduce(experiment, "--out", out, "--dry-run").stdout
+        runs, _ = plan(EXPERIMENTS[experiment], "small", "", str(out))
+        lines = [shlex.split(line) for line in text.splitlines() if line.startswith(("fastanchor ", "python "))]
+        assert len(lines) == sum(len(r.all_steps(out)) for r in runs)
+        for argv in lines:
+            if argv[:2] == ["fastanchor", "train"]:
+                config = load_config(argv[3], sets(argv))
+                assert config.anchor.enabled is False
+            elif argv[:2] == ["fastanchor", "finetune-ood"]:
+                config = load_config("demo", sets(argv))
+                assert config.finetune_ood.lr == 0.001 and config.eval.ood_sets
+            elif argv[0] == "fastanchor":
+                build_parser().parse_args(argv[1:])  # robustness: its flags parse
+        if experiment in SFT:
+            assert not out.exists()
+            assert {r.setup for r in runs} == {"resnet_tiny-bn", "resnet_tiny-gn", "convnext_atto-ln"}
+            assert {r.seed for r in runs} == {0, 1, 2}
+            bases = {(r.setup, r.seed): r.steps[0].output for r in runs}
+            assert all(r.steps[0].output == bases[r.setup, r.seed] for r in runs)
+            assert len(set(bases.values())) == 9
+    result = run_main("reproduce", "sft-tab5", "--scale", "cifar", "--data", tmp_path, "--dry-run")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and "tiny, small" in result.stderr
+
+
+def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
+    """er-testbed fits its line (checked against scipy's linregress on the members' own accuracies); er-finetune
+    reuses that testbed, pretrains once, fine-tunes from the pretrained checkpoint and from random initialisation
+    with mid-epoch checkpoints, and every checkpoint's ER is the ER formula against the testbed's line."""
+    from scipy.stats import linregress
+
+    from fastanchor.trainer.safety.effective_robustness import inverse_logit, logit
+
+    out = tmp_path / "out"
+    args = ("--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress", "--record", tmp_path / "record")
+    reproduce("er-testbed", *args)
+    fit = json.loads((out / "er" / "testbed" / "testbed_fit.json").read_text())
+    result = json.loads((out / "er-testbed" / "result.json").read_text())
+    assert [r["run"] for r in result["runs"]] == [m["name"] for m in fit["models"]] and len(fit["models"]) == 3
+    line = linregress(logit([m["id_clipped"] for m in fit["models"]]), logit([m["ood_clipped"] for m in fit["models"]]))
+    assert (fit["fits"]["logit"]["a"], fit["fits"]["logit"]["b"]) == pytest.approx((line.slope, line.intercept))
+    assert fit["fits"]["logit"]["r2"] == pytest.approx(line.rvalue ** 2)
+    markdown = (out / "er-testbed" / "result.md").read_text()
+    assert f"| logit | {line.slope:.4f} | {line.intercept:.4f} |" in markdown and "| CIFAR-10 | logit | r2 | 0.998 |" in markdown
+    assert (out / "er-testbed" / "result.png").read_bytes() == (out / "er" / "testbed" / "testbed.png").read_bytes()
+
+    first = reproduce("er-finetune", *args, "--max-runs", "2").stdout  # stopped before the random-init run
+    assert "er-finetune/testbed: done (testbed_fit.json), skipped" in first  # the testbed is er-testbed's
+    assert "2 trained" in first and "stopped after training 2 run(s)" in first
+    assert not (out / "er" / "finetune" / "random-s0").exists() and not (out / "er" / "er_summary.json").exists()
+    stdout = reproduce("er-finetune", *args).stdout
+    assert "1 trained, 0 evaluated, 3 skipped (already done), 1 robustness measured, 1 ER binned" in stdout
+    pretrained = load_config("demo", [])
+    runs = {r["run"]: r for r in json.loads((out / "er-finetune" / "result.json").read_text())["runs"]}
+    assert set(runs) == {"pretrained-s0", "random-s0"}
+    for name in runs:
+        folder = out / "er" / "finetune" / name
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+        assert config["model"]["init_checkpoint"] == (str(out / "er" / "pretrain" / "final.pt") if name.startswith("pretrained") else "")
+        record = json.loads((folder / "robustness_over_training.json").read_text())
+        assert len(record["epochs"]) >= 3  # mid-epoch checkpoints (every step at tiny size)
+        b = record["baseline"]
+        assert (b["a"], b["b"]) == pytest.approx((fit["fits"]["logit"]["a"], fit["fits"]["logit"]["b"]))
+        for e in record["epochs"]:
+            expected = 100 * (e["ood_clipped"] - inverse_logit(b["a"] * logit(e["id_clipped"]) + b["b"]))
+            assert e["effective_robustness"] == pytest.approx(expected, abs=1e-9)
+        assert runs[name]["metrics"]["final_er"] == pytest.approx(record["epochs"][-1]["effective_robustness"])
+    summary = json.loads((out / "er" / "er_summary.json").read_text())
+    assert set(summary["groups"]) == {"pretrained", "random init"}
+    assert "| pretrained | 1 |" in (out / "er-finetune" / "result.md").read_text()
+    assert pretrained.model.init_checkpoint == ""  # the recipe itself starts from random weights
+    index = (tmp_path / "record" / "README.md").read_text()
+    assert "[er-testbed](er-testbed/README.md)" in index and "[er-finetune](er-finetune/README.md)" in index

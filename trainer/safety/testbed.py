@@ -68,13 +68,17 @@ TINY_TESTBED: dict[str, list[str]] = {
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-def member_config(out: Path, name: str, member: Sequence[str], recipe: str, overrides: Sequence[str]):
-    """The config a member trains with: the recipe, the common overrides, the member's, then standard training
-    into <out>/models/<name>."""
+def member_overrides(out: Path, name: str, member: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """The `--set` overrides a member trains with: the common overrides, the member's, then standard training
+    into <out>/models/<name> (`fastanchor reproduce er-testbed` trains the members with these)."""
     if not _NAME.match(name):
         raise ConfigError(f"testbed member name {name!r}: expected letters, digits, '.', '_' or '-' (it names a folder)")
-    return load_config(recipe, [*overrides, *member, "anchor.enabled=false", f"train.out_dir={out / 'models'}",
-                                f"train.run_name={name}"])
+    return [*overrides, *member, "anchor.enabled=false", f"train.out_dir={Path(out) / 'models'}", f"train.run_name={name}"]
+
+
+def member_config(out: Path, name: str, member: Sequence[str], recipe: str, overrides: Sequence[str]):
+    """The config a member trains with: the recipe and member_overrides."""
+    return load_config(recipe, member_overrides(out, name, member, overrides))
 
 
 def build_testbed(out: str | Path, members: dict[str, Sequence[str]] | None = None, *, recipe: str = "demo",

@@ -1,0 +1,109 @@
+"""What a sweep is made of: a `Run` is a list of `Step`s, each an ordinary fastanchor command with the file
+that says it is done; an `Experiment` plans the runs of a paper's figure or table at a scale.
+
+The anchoring experiments' runs have two steps, `fastanchor train` into the run's folder and `fastanchor
+evaluate` of its final.pt (`Run.train` and `Run.evaluate`). Other experiments give their steps explicitly
+(`Run.steps`): a step whose output several runs name is shared by them, so a base training run fine-tuned
+many times is trained once (the first run that needs it trains it; the others find its final.pt). The
+sweep (sweep.py) runs every step whose output is missing, in order, and skips the others.
+
+Step kinds (sweep.py runs each through the function its command calls):
+  train         `fastanchor train --config RECIPE --resume auto --set ...`             output <run>/final.pt
+  evaluate      `fastanchor evaluate --checkpoint CKPT --set ...`                      output <run>/eval.json
+  finetune-ood  `fastanchor finetune-ood --checkpoint CKPT --out OUT --set ...`        output OUT/summary.json
+  ood-sets      benchmarks/sft_ood_sets.py: pseudo-OOD and jigsaw sets from val images output the folder
+  testbed       trainer/safety/testbed.py's build_testbed over already trained members  output testbed_fit.json
+  robustness    `fastanchor robustness --run R ... --baseline B`                        output the last run's JSON
+  er-summary    trainer/safety/er_summary.py's summarise_groups                        output er_summary.json
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+SCALES = ("tiny", "small", "cifar", "imagenet")
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str                        # one of the module docstring's kinds
+    output: str                      # the file (or folder) whose presence says the step is done
+    recipe: str = ""                 # train, testbed: the recipe
+    checkpoint: str = ""             # evaluate, finetune-ood: the checkpoint read
+    folder: str = ""                 # finetune-ood, ood-sets, testbed, er-summary: where it writes
+    overrides: tuple[str, ...] = ()  # train, evaluate, finetune-ood, testbed (common to every member): --set overrides
+    data: str = ""                   # ood-sets: the dataset root whose val split the sets are made from
+    count: int = 0                   # ood-sets: images per set
+    members: tuple[tuple[str, tuple[str, ...]], ...] = ()  # testbed: (name, overrides) per member
+    runs: tuple[str, ...] = ()       # robustness: the run folders
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # er-summary: (label, run folders) per group
+    baseline: str = ""               # robustness: --baseline
+
+    def done(self) -> bool:
+        return Path(self.output).exists()
+
+
+@dataclass(frozen=True)
+class Run:
+    experiment: str
+    name: str                  # the run's folder under <out>/<experiment>/ (anchoring runs) and its label
+    setup: str
+    arm: str
+    value: object              # the swept value (None: the experiment sweeps nothing for this arm)
+    seed: int
+    recipe: str
+    train: tuple[str, ...]     # `fastanchor train --set` overrides (output folder and seed included)
+    evaluate: tuple[str, ...]  # `fastanchor evaluate --set` overrides
+    steps: tuple[Step, ...] = ()  # explicit steps ((): train into folder(), then evaluate its final.pt)
+    result: str = ""           # the file aggregated ('': <folder>/eval.json); explicit runs: a path
+    where: str = ""            # the run's folder ('': <out>/<experiment>/<name>)
+
+    def folder(self, out: Path) -> Path:
+        return Path(self.where) if self.where else Path(out) / self.experiment / self.name
+
+    def result_file(self, out: Path) -> Path:
+        return Path(self.result) if self.result else self.folder(out) / "eval.json"
+
+    def all_steps(self, out: Path) -> tuple[Step, ...]:
+        if self.steps:
+            return self.steps
+        folder = self.folder(out)
+        return (Step("train", str(folder / "final.pt"), recipe=self.recipe, overrides=self.train),
+                Step("evaluate", str(folder / "eval.json"), checkpoint=str(folder / "final.pt"), overrides=self.evaluate))
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str                 # one line for --help
+    source: str                # the paper's figure or table
+    axis: str                  # what `values` are ('' : nothing swept)
+    values: dict[str, tuple]   # per scale ('default' for the scales not named)
+    arms: tuple[str, ...]
+    seeds: int
+    small_epochs: int
+    evaluation: dict           # per scale ('default' for the rest): scales.Evaluation
+    overrides: Callable = lambda setup, arm, value: []
+    arm_values: Callable[[str, tuple], tuple] = lambda arm, values: values  # the values an arm runs at
+    setups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per scale; default: the first setup
+    # how the result is shown (table columns, figure layout): aggregate.VIEWS[name]
+    log_x: bool = False
+    paper: str = "000"         # the paper (papers/<paper>_*.txt) and its numbers file paper_numbers/<paper>.yaml
+    scales: tuple[str, ...] = SCALES  # the scales it runs at
+    # planner(experiment, scale, data, out, seeds, device, progress) -> (runs, notes); None: experiments.plan's
+    planner: Callable | None = None
+    # rows(run, result JSON) -> [(arm, value, metrics)]: the table rows one run gives; None: one row of metrics_of
+    rows: Callable | None = None
+    # aggregate(experiment, runs, out, scale) -> result dict, for experiments whose result is not a table of rows
+    aggregator: Callable | None = None
+    strict_paper_setup: bool = False  # the paper's numbers only beside the setup that stands for the paper's own
+    setup_papers: dict[str, str] = field(default_factory=dict)  # planner's setups -> the paper's ('' : none)
+    paper_also: tuple[str, ...] = ()  # further blocks of the numbers file whose rows this table repeats
+
+    def values_at(self, scale: str) -> tuple:
+        return self.values.get(scale, self.values["default"])
+
+    def evaluation_at(self, scale: str):
+        return self.evaluation.get(scale, self.evaluation["default"])

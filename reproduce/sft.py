@@ -1,0 +1,154 @@
+"""The experiments of paper 002 (SFT: "Why SAM Fine-tuning Can Benefit OOD Detection") as sweeps of runs.
+
+Each table is a set of fine-tuning settings (trainer/safety/sft_tables.py: the paper's step, SAM on the
+normalisation layers, 50 steps, lr 1e-3, rho 0.5, lambda 1, and the table's changes to it), applied to
+standard models with BatchNorm (the demo ResNet), GroupNorm (its GroupNorm variant; the paper's BiT
+ResNetv2 uses GroupNorm) and LayerNorm (timm's convnext_atto; the paper's T2T-ViT uses LayerNorm), 3
+seeds. A run is three steps:
+
+    train         the base model: <out>/sft/base/<setup>-s<seed>/ (the demo recipe, standard training)
+    ood-sets      pseudo-OOD and 4x4-jigsaw sets from validation images: <out>/sft/ood_sets/ (once)
+    finetune-ood  the setting, from the base's final.pt: <out>/sft/finetune/<setup>-s<seed>/<setting>/
+
+and every table's runs name the same base and, where settings agree (the paper's step itself is a row of
+Tables 1-2, 4, 5, 6, 7 and 8), the same fine-tuning folder: a base model is trained once per model and
+seed, and each distinct fine-tune runs once, whichever tables ask for it.
+
+A run's summary.json (finetune-ood's before/after evaluation on every OOD set) gives the table's rows in
+the paper's layout: the scores before fine-tuning (arm `energy`, `msp`, `maxlogit`) and after it
+(`energy+sft`, or the control's name: `energy+sft_only_id_data`, `energy+sam`, `energy+ft_sgd`), with
+AUROC and FPR95 (ID positive, the paper's) per OOD set: shapes (the embedded data's unseen shapes,
+near-OOD), textures (its procedural textures, the paper's Textures analogue, far-OOD), pseudo_ood and
+jigsaw4, and their average.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fastanchor.reproduce.runs import Experiment, Run, Step
+from fastanchor.reproduce.scales import Evaluation, setups
+from fastanchor.trainer.safety.sft_tables import PAPER_STEP
+
+# setup -> (model.name, the paper's model it stands for ('' : none; the paper reports SFT does not suit BatchNorm))
+MODELS = {
+    "resnet_tiny-bn": ("fastanchor_resnet_tiny", ""),
+    "resnet_tiny-gn": ("fastanchor_resnet_tiny_gn", "ResNetv2-101"),
+    "convnext_atto-ln": ("convnext_atto", "T2T-ViT-24"),
+}
+SET_NAMES = {"ood": "shapes", "ood_textures": "textures"}  # finetune-ood's set names -> the table's
+SETS = ("shapes", "textures", "pseudo_ood", "jigsaw4", "average")
+OOD_SET_IMAGES = {"tiny": 16, "small": 300}
+TINY_STEPS = 2  # fine-tuning steps at tiny scale (CI) where the table does not sweep them
+
+
+# table -> (setting, overrides on top of PAPER_STEP, the after-arm's suffix, the swept value) per row
+SETTINGS: dict[str, list[tuple[str, list[str], str, object]]] = {
+    "sft-tab1-2": [("sft", [], "+sft", None)],
+    "sft-tab4": [("sft", [], "+sft", None), ("only_id_data", ["finetune_ood.ood_weight=0"], "+sft_only_id_data", None)],
+    "sft-tab5": [(f"steps_{n}", [f"finetune_ood.steps={n}"], "+sft", n) for n in (10, 50, 100, 200)],
+    "sft-tab6": [("sft", [], "+sft", None), ("sam", ["finetune_ood.optimizer=sam"], "+sam", None)],
+    "sft-tab7": [(f"rho_{rho}", [f"finetune_ood.rho={rho}"], "+sft", rho) for rho in (0.05, 0.1, 0.5, 1.0, 2.0)],
+    "sft-tab8": [("sft", [], "+sft", None), ("sgd", ["finetune_ood.optimizer=sgd"], "+ft_sgd", None)],
+}
+TINY_SETTINGS = {"sft-tab5": (1, 2), "sft-tab7": (0.05, 0.5)}  # the swept values kept at tiny scale
+
+
+def setting_folder(extra: list[str]) -> str:
+    """The fine-tuning folder's name: what the setting changes from the paper's step ('paper-step': nothing)."""
+    changes = [o for o in extra if o not in PAPER_STEP]
+    if not changes:
+        return "paper-step"
+    return "+".join(re.sub(r"[^A-Za-z0-9.-]", "-", o.removeprefix("finetune_ood.")).replace("=", "") for o in changes)
+
+
+def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
+             progress: bool = True) -> tuple[list[Run], list[str]]:
+    """Every fine-tune of the table, for every model and seed (module docstring)."""
+    setup = next(iter(setups(scale, data).values()))
+    root = next(o.split("=", 1)[1] for o in setup.train if o.startswith("data.root="))
+    count = seeds or (1 if scale == "tiny" else experiment.seeds)
+    home = Path(out) / "sft"
+    sets = home / "ood_sets"
+    quiet = [f"train.progress={str(progress).lower()}"]
+    rows = SETTINGS[experiment.name]
+    if scale == "tiny":
+        kept = TINY_SETTINGS.get(experiment.name)
+        rows = ([(f"steps_{v}", [f"finetune_ood.steps={v}"], "+sft", v) for v in kept] if experiment.name == "sft-tab5"
+                else [r for r in rows if r[3] in kept] if kept else rows)
+    runs = []
+    for name in experiment.setups.get(scale, tuple(MODELS)):
+        model, _ = MODELS[name]
+        for seed in range(count):
+            base_name = f"{name}-s{seed}"
+            base = home / "base" / base_name
+            train = (*setup.train, f"model.name={model}", "anchor.enabled=false", f"train.seed={seed}",
+                     f"train.out_dir={home / 'base'}", f"train.run_name={base_name}", f"train.device={device}", *quiet)
+            base_step = Step("train", str(base / "final.pt"), recipe=setup.standard, overrides=train)
+            sets_step = Step("ood-sets", str(sets), data=root, folder=str(sets), count=OOD_SET_IMAGES[scale])
+            for setting, extra, suffix, value in rows:
+                tiny = [f"finetune_ood.steps={TINY_STEPS}"] if scale == "tiny" and experiment.name != "sft-tab5" else []
+                folder = home / "finetune" / base_name / setting_folder([*extra, *tiny])
+                evaluation = [f"eval.ood_sets=[pseudo_ood={sets / 'pseudo_ood'}, jigsaw4={sets / 'jigsaw4'}]",
+                              "data.far_ood_split=ood_textures", f"eval.seed={seed}", f"finetune_ood.seed={seed}",
+                              *([f"eval.max_images={setup.max_images}"] if scale == "tiny" else [])]
+                finetune = Step("finetune-ood", str(folder / "summary.json"), checkpoint=str(base / "final.pt"),
+                                folder=str(folder), overrides=(*PAPER_STEP, *extra, *tiny, *evaluation, *quiet))
+                runs.append(Run(experiment.name, f"{name}-{setting}-s{seed}", name, suffix, value, seed, setup.standard,
+                                train, (), steps=(base_step, sets_step, finetune), result=finetune.output,
+                                where=str(folder)))
+    return runs, []
+
+
+def scores_of(result: dict, when: str) -> dict[str, dict[str, float]]:
+    """{score: {metric key: value}} of one side (before/after) of a summary.json, in the paper's units (%)."""
+    side = result[when]
+    scores: dict[str, dict[str, float]] = {}
+    for set_name, per_score in side["ood"]["sets"].items():
+        for score, metrics in per_score.items():
+            for metric in ("auroc", "fpr95"):
+                scores.setdefault(score, {})[f"{SET_NAMES.get(set_name, set_name)}_{metric}"] = 100 * metrics[metric]
+    for score, metrics in side["ood"]["mean"].items():
+        for metric in ("auroc", "fpr95"):
+            scores[score][f"average_{metric}"] = 100 * metrics[metric]
+    for values in scores.values():
+        values["id_top1"] = side["id"]["top1"]
+    return scores
+
+
+def sft_rows(run: Run, result: dict) -> list[tuple[str, object, dict[str, float]]]:
+    """The table rows of one fine-tune: each score before (arm = the score; Table 5's 'pretrained model' at 0 steps)
+    and after (arm = score + the setting's suffix), with ID top-1, its change and the losses after."""
+    before_value = 0 if run.experiment == "sft-tab5" else None
+    rows = [(score, before_value, metrics) for score, metrics in scores_of(result, "before").items()]
+    change = result["after"]["id"]["top1"] - result["before"]["id"]["top1"]
+    losses = {f"{key}_{end}": result["losses"][key][end] for key in ("id_loss", "ood_loss") for end in ("first", "last")}
+    for score, metrics in scores_of(result, "after").items():
+        rows.append((score + run.arm, run.value, {**metrics, "id_top1_change": change, **losses}))
+    return rows
+
+
+SMALL_EPOCHS = 24  # the demo recipe's own (the base models train as `fastanchor demo`'s standard model)
+SFT_EVALUATION = {"default": Evaluation(corruptions=False, ood=True)}
+SFT_SETUPS = {"tiny": ("resnet_tiny-bn", "resnet_tiny-gn")}  # CI: the two small CNNs (convnext_atto planned at small)
+SETUP_PAPERS = {name: paper for name, (_, paper) in MODELS.items()}
+
+
+def sft_experiment(name: str, title: str, source: str, axis: str = "") -> Experiment:
+    values = tuple(dict.fromkeys(v for *_, v in SETTINGS[name]))
+    return Experiment(name, title, source, axis, {"default": values}, tuple(s for s, *_ in SETTINGS[name]), 3,
+                      SMALL_EPOCHS, SFT_EVALUATION, setups=SFT_SETUPS, paper="002", scales=("tiny", "small"),
+                      planner=plan_sft, rows=sft_rows, strict_paper_setup=True, setup_papers=SETUP_PAPERS,
+                      paper_also=("sft-tab1-2",) if name != "sft-tab1-2" else ())
+
+
+SFT_EXPERIMENTS = (
+    sft_experiment("sft-tab1-2", "SFT before/after per score and OOD set (shapes, textures, pseudo-OOD) on BN, GN, LN models",
+                   "Tables 1 and 2"),
+    sft_experiment("sft-tab4", "SFT with ID data only (the OOD weight 0 control) beside the paper's step", "Table 4"),
+    sft_experiment("sft-tab5", "SFT fine-tuning steps from 10 to 200", "Table 5", "fine-tuning steps"),
+    sft_experiment("sft-tab6", "SAM on every parameter vs SAM on the normalisation layers only (SFT)", "Table 6"),
+    sft_experiment("sft-tab7", "SFT's SAM radius rho from 0.05 to 2", "Table 7", "rho"),
+    sft_experiment("sft-tab8", "SAM-ON (SFT) vs plain SGD fine-tuning on the same objective", "Table 8"),
+)
