@@ -163,6 +163,8 @@ def testbed_markdown(result: dict) -> list[str]:
 
 
 def finetune_markdown(result: dict) -> list[str]:
+    from fastanchor.trainer.safety.er_summary import group_rows
+
     summary = result["er_summary"]
     lines = ["| run | seed | final ID top-1 (%) | final OOD top-1 (%) | final ER (pp) | max ER over checkpoints (pp) | checkpoints |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -172,12 +174,7 @@ def finetune_markdown(result: dict) -> list[str]:
                      f"{m['final_er']:+.2f} | {m['max_er']:+.2f} | {m['checkpoints']} |")
     if not summary:
         return lines + ["", "Not binned yet (the analysis step has not run)."]
-    lines += ["", "Binned as the paper (Appendix B.5):", "",
-              "| group | runs | max ER (pp, binned) | at ID top-1 (%) | max std across bins | final ER (pp) | final ID top-1 (%) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for label, g in summary["groups"].items():
-        lines.append(f"| {label} | {len(g['runs'])} | {g['max_er']:+.2f} | {g['max_er_at_id_top1']:.1f} | {g['max_std']:.2f} | "
-                     f"{g['final_er_mean']:+.2f} ± {g['final_er_std']:.2f} | {g['final_id_top1_mean']:.2f} |")
+    lines += ["", "Binned as the paper (Appendix B.5):", "", *group_rows(summary)]
     b = summary["baseline"]
     lines += ["", f"Baseline: {b['name']} ({b['transform']} space, a = {b['a']:.4f}, b = {b['b']:.4f}); "
                   f"{summary['bins']} bins of ID top-1 over [{summary['id_range'][0]:.2f}, {summary['id_range'][1]:.2f}]. "

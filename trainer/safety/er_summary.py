@@ -94,11 +94,7 @@ def summarise_groups(groups: dict[str, list[str | Path]], out: str | Path, bins:
             "over_training": [[{"fraction_of_training": e.get("fraction_of_training"), "id_top1": e["id_top1"],
                                 "effective_robustness": e["effective_robustness"]} for e in r["epochs"]] for r in runs],
         }
-    rows = ["| group | runs | max ER (pp, binned) | at ID top-1 (%) | max std across bins | final ER (pp) | final ID top-1 (%) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for label, g in summary["groups"].items():
-        rows.append(f"| {label} | {len(g['runs'])} | {g['max_er']:+.2f} | {g['max_er_at_id_top1']:.1f} | {g['max_std']:.2f} | "
-                    f"{g['final_er_mean']:+.2f} +- {g['final_er_std']:.2f} | {g['final_id_top1_mean']:.2f} |")
+    rows = group_rows(summary)
     b = summary["baseline"]
     rows += ["", f"Baseline: {b['name']} ({b['transform']} space, a = {b['a']:.4f}, b = {b['b']:.4f}); {bins} bins of ID "
                  f"top-1 over [{id_range[0]:.2f}, {id_range[1]:.2f}]; per group the mean of the runs' bin means, +- their "
@@ -108,3 +104,13 @@ def summarise_groups(groups: dict[str, list[str | Path]], out: str | Path, bins:
     atomic_write_bytes(out / "er_summary.md", lambda handle: handle.write(("\n".join(rows) + "\n").encode()))
     write_png(out / "er_summary.png", binned_er_chart(summary))
     return summary
+
+
+def group_rows(summary: dict) -> list[str]:
+    """The binned summary's Markdown table: one row per group (max ER over the bins, where, and the final ER)."""
+    rows = ["| group | runs | max ER (pp, binned) | at ID top-1 (%) | max std across bins | final ER (pp) | final ID top-1 (%) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label, g in summary["groups"].items():
+        rows.append(f"| {label} | {len(g['runs'])} | {g['max_er']:+.2f} | {g['max_er_at_id_top1']:.1f} | {g['max_std']:.2f} | "
+                    f"{g['final_er_mean']:+.2f} +- {g['final_er_std']:.2f} | {g['final_id_top1_mean']:.2f} |")
+    return rows
