@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from fastanchor.errors import ConfigError
+from fastanchor.errors import ConfigError, check_all
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -419,115 +419,172 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config: Config) -> None:
-    """Check every value once, at start-up; raise ConfigError naming the first bad one."""
-    classes = _section_classes()
-    for section, cls in classes.items():
+# Each section's own values, as (option, ok, what is expected) rows (the `Checked` rows of trainer/flags.py); a bad
+# one is the line '<section>.<option> = <value>: expected <what>'. Rows are yielded, so a row is only evaluated once
+# the rows before it passed, as a sequence of checks would be.
+
+
+def _anchor_checks(a: AnchorConfig):
+    yield "alpha", 0.0 <= a.alpha <= 1.0, "a probability in [0, 1]"
+    yield "bank_size", a.bank_size >= 1, ">= 1"
+    yield "fixed_size", a.fixed_size >= 1, ">= 1"
+    yield "inference_references", a.inference_references >= 1, ">= 1"
+
+
+def _data_checks(d: DataConfig):
+    yield "image_size", 16 <= d.image_size <= 1024, "16 to 1024 pixels"
+    yield "crop_ratio", 0.0 < d.crop_ratio <= 1.0, "a ratio in (0, 1]"
+    yield "crop_padding", 0 <= d.crop_padding <= d.image_size, "0 to data.image_size pixels"
+    yield "min_scale", 0.0 < d.min_scale <= 1.0, "a scale in (0, 1]"
+    yield "batch_size", d.batch_size >= 1, ">= 1"
+    yield "eval_batch_size", d.eval_batch_size >= 1, ">= 1"
+    yield "workers", d.workers >= 0, ">= 0"
+    yield "label_noise", 0.0 <= d.label_noise < 1.0, "a fraction in [0, 1)"
+    yield "ffcv_max_resolution", d.ffcv_max_resolution >= 0, ">= 0"
+    yield "ffcv_jpeg_quality", 1 <= d.ffcv_jpeg_quality <= 100, "1 to 100"
+    yield "ffcv_compress_probability", 0.0 <= d.ffcv_compress_probability <= 1.0, "[0, 1]"
+    yield "val_split", d.train_split != d.val_split, "a split other than data.train_split"
+    yield "ffcv_write_workers", d.ffcv_write_workers >= 0, ">= 0"
+    for name in ("resolution_start", "resolution_end"):
+        value = getattr(d, name)
+        yield name, value == 0 or 16 <= value <= 1024, "0 (data.image_size) or 16 to 1024 pixels"
+    yield "resolution_step", d.resolution_step >= 1, ">= 1 pixel"
+
+
+def _optim_checks(o: OptimConfig):
+    yield "lr", o.lr > 0, "> 0"
+    yield "weight_decay", o.weight_decay >= 0, ">= 0"
+    yield "label_smoothing", 0.0 <= o.label_smoothing < 1.0, "[0, 1)"
+    yield "ema_decay", 0.0 <= o.ema_decay < 1.0, "[0, 1)"
+    yield "warmup_epochs", o.warmup_epochs >= 0, ">= 0"
+    yield "warmup_start", 0.0 <= o.warmup_start <= 1.0, "a fraction in [0, 1]"
+    yield "min_lr_ratio", 0.0 <= o.min_lr_ratio <= 1.0, "a fraction in [0, 1]"
+    yield "lr_batch", o.lr_batch >= 0, "a global batch size >= 1, or 0 to use optim.lr as given"
+    yield "milestones", all(isinstance(m, (int, float)) and m >= 0 for m in o.milestones), "epochs >= 0"
+    yield "betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "two values in [0, 1)"
+
+
+def _augment_checks(g: AugmentConfig):
+    yield "random_erasing", 0.0 <= g.random_erasing <= 1.0, "a probability in [0, 1]"
+    yield "mixup_alpha", g.mixup_alpha >= 0, ">= 0 (0 disables Mixup)"
+    yield "cutmix_alpha", g.cutmix_alpha >= 0, ">= 0 (0 disables CutMix)"
+    yield "mix_prob", 0.0 <= g.mix_prob <= 1.0, "a probability in [0, 1]"
+    yield "switch_prob", 0.0 <= g.switch_prob <= 1.0, "a probability in [0, 1]"
+    yield "augmix_severity", 1 <= g.augmix_severity <= 10, "1 to 10"
+    yield "pixmix_k", g.pixmix_k >= 0, ">= 0 mixing rounds"
+    yield "pixmix_beta", g.pixmix_beta > 0, "> 0"
+    yield "pixmix_severity", 1 <= g.pixmix_severity <= 10, "1 to 10"
+    yield "pixmix_pictures", g.pixmix_pictures >= 1, ">= 1"
+
+
+def _train_checks(t: TrainConfig):
+    yield "epochs", t.epochs >= 1, ">= 1"
+    yield "log_interval", t.log_interval >= 1, ">= 1"
+    yield "checkpoint_interval", t.checkpoint_interval >= 0, ">= 0 steps (0: end of epoch only)"
+    yield "keep_checkpoints", t.keep_checkpoints >= 0, ">= 0 (0 keeps all)"
+    yield "max_steps", t.max_steps >= 0, ">= 0 (0: train every epoch)"
+    yield "device", t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), "auto, cpu, cuda or cuda:N"
+
+
+def _eval_checks(e: EvalConfig):
+    yield "severities", all(isinstance(s, int) and 1 <= s <= 5 for s in e.severities), "integers 1 to 5"
+    yield "num_references", e.num_references >= 1, ">= 1"
+    yield "ood_references", e.ood_references >= 1, ">= 1"
+    yield "blt_candidates", e.blt_candidates >= 1, ">= 1"
+    yield "blt_residuals", e.blt_residuals >= 1, ">= 1"
+    yield "react_percentile", 0.0 < e.react_percentile <= 100.0, "a percentile in (0, 100]"
+    yield "ece_bins", e.ece_bins >= 1, ">= 1"
+    yield "max_images", e.max_images >= 0, ">= 0 (0: all images)"
+
+
+def _finetune_ood_checks(f: FinetuneOODConfig):
+    yield "steps", f.steps >= 1, ">= 1"
+    yield "lr", f.lr > 0, "> 0"
+    yield "momentum", 0.0 <= f.momentum < 1.0, "[0, 1)"
+    yield "weight_decay", f.weight_decay >= 0, ">= 0"
+    yield "rho", f.rho > 0, "> 0"
+    yield "ood_weight", f.ood_weight >= 0, ">= 0"
+    yield ("jigsaw_grids", len(f.jigsaw_grids) > 0 and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2
+                                                           for g in f.jigsaw_grids),
+           "a non-empty list of integers >= 2")
+
+
+def _embedded_checks(emb: EmbeddedConfig):
+    yield "image_size", 32 <= emb.image_size <= 256, "32 to 256 pixels"
+
+
+SECTION_CHECKS = {"anchor": _anchor_checks, "data": _data_checks, "optim": _optim_checks, "augment": _augment_checks,
+                  "train": _train_checks, "eval": _eval_checks, "finetune_ood": _finetune_ood_checks,
+                  "embedded": _embedded_checks}
+
+
+def _shown(section: str, values) -> typing.Callable[[str], str]:
+    """'<section>.<option> = <value>' for a bad row's line (a text value quoted)."""
+    def named(name: str) -> str:
+        value = getattr(values, name)
+        return f"{section}.{name} = {value!r}" if isinstance(value, str) else f"{section}.{name} = {value}"
+    return named
+
+
+def _agreement_checks(config: Config):
+    """Options that must agree with each other, as (ok, the whole line) rules."""
+    d, a, m = config.data, config.anchor, config.model
+    yield (not (a.first_layer == "fresh" and m.pretrained),
+           "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
+    yield (not (m.init_checkpoint and m.pretrained),
+           "model.init_checkpoint with model.pretrained = true: the checkpoint's weights would replace the pretrained ones; "
+           "set model.pretrained=false")
+    yield (not (a.enabled and a.references == "derangement" and d.batch_size < 2),
+           f"data.batch_size = {d.batch_size}: in-batch (derangement) references need a batch of at least 2")
+    yield d.dataset != "cifar" or d.cifar_dir != "", "data.dataset = 'cifar' needs data.cifar_dir: the CIFAR python-pickle directory"
+    yield (0 <= d.resolution_ramp_start_epoch <= d.resolution_ramp_end_epoch,
+           f"data.resolution_ramp_start_epoch = {d.resolution_ramp_start_epoch}, data.resolution_ramp_end_epoch = "
+           f"{d.resolution_ramp_end_epoch}: expected 0 <= start <= end")
+    yield (not (d.resolution_start or d.resolution_end) or not (a.enabled and a.references == "fixed"),
+           "anchor.references = 'fixed' holds references at data.image_size: progressive resizing (data.resolution_start/end) "
+           "needs derangement or bank references")
+
+
+def _check_choices(config: Config) -> None:
+    for section, cls in _section_classes().items():
         for name, f in _field_types(cls).items():
             choices = f.metadata.get("choices")
             value = getattr(getattr(config, section), name)
             _check(not choices or value in choices, f"{section}.{name} = {value!r}: expected one of {', '.join(choices or ())}")
-    d, a, o, t, e, g = config.data, config.anchor, config.optim, config.train, config.eval, config.augment
-    _check(0.0 <= a.alpha <= 1.0, f"anchor.alpha = {a.alpha}: expected a probability in [0, 1]")
-    _check(not (a.first_layer == "fresh" and config.model.pretrained),
-           "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
-    _check(not (config.model.init_checkpoint and config.model.pretrained),
-           "model.init_checkpoint with model.pretrained = true: the checkpoint's weights would replace the pretrained ones; "
-           "set model.pretrained=false")
-    _check(a.bank_size >= 1, f"anchor.bank_size = {a.bank_size}: expected >= 1")
-    _check(a.fixed_size >= 1, f"anchor.fixed_size = {a.fixed_size}: expected >= 1")
-    _check(a.inference_references >= 1, f"anchor.inference_references = {a.inference_references}: expected >= 1")
-    _check(16 <= d.image_size <= 1024, f"data.image_size = {d.image_size}: expected 16 to 1024 pixels")
-    _check(0.0 < d.crop_ratio <= 1.0, f"data.crop_ratio = {d.crop_ratio}: expected a ratio in (0, 1]")
-    _check(0 <= d.crop_padding <= d.image_size, f"data.crop_padding = {d.crop_padding}: expected 0 to data.image_size pixels")
-    _check(0.0 < d.min_scale <= 1.0, f"data.min_scale = {d.min_scale}: expected a scale in (0, 1]")
-    _check(d.batch_size >= 1, f"data.batch_size = {d.batch_size}: expected >= 1")
-    _check(not (a.enabled and a.references == "derangement" and d.batch_size < 2),
-           f"data.batch_size = {d.batch_size}: in-batch (derangement) references need a batch of at least 2")
-    _check(d.eval_batch_size >= 1, f"data.eval_batch_size = {d.eval_batch_size}: expected >= 1")
-    _check(d.workers >= 0, f"data.workers = {d.workers}: expected >= 0")
-    _check(0.0 <= d.label_noise < 1.0, f"data.label_noise = {d.label_noise}: expected a fraction in [0, 1)")
-    _check(d.ffcv_max_resolution >= 0, f"data.ffcv_max_resolution = {d.ffcv_max_resolution}: expected >= 0")
-    _check(1 <= d.ffcv_jpeg_quality <= 100, f"data.ffcv_jpeg_quality = {d.ffcv_jpeg_quality}: expected 1 to 100")
-    _check(0.0 <= d.ffcv_compress_probability <= 1.0, f"data.ffcv_compress_probability = {d.ffcv_compress_probability}: expected [0, 1]")
-    _check(d.train_split != d.val_split, f"data.val_split = {d.val_split!r}: expected a split other than data.train_split")
-    _check(d.ffcv_write_workers >= 0, f"data.ffcv_write_workers = {d.ffcv_write_workers}: expected >= 0")
-    _check(d.dataset != "cifar" or d.cifar_dir != "", "data.dataset = 'cifar' needs data.cifar_dir: the CIFAR python-pickle directory")
-    for name in ("resolution_start", "resolution_end"):
-        value = getattr(d, name)
-        _check(value == 0 or 16 <= value <= 1024, f"data.{name} = {value}: expected 0 (data.image_size) or 16 to 1024 pixels")
-    _check(0 <= d.resolution_ramp_start_epoch <= d.resolution_ramp_end_epoch,
-           f"data.resolution_ramp_start_epoch = {d.resolution_ramp_start_epoch}, data.resolution_ramp_end_epoch = "
-           f"{d.resolution_ramp_end_epoch}: expected 0 <= start <= end")
-    _check(d.resolution_step >= 1, f"data.resolution_step = {d.resolution_step}: expected >= 1 pixel")
-    _check(not (d.resolution_start or d.resolution_end) or not (a.enabled and a.references == "fixed"),
-           "anchor.references = 'fixed' holds references at data.image_size: progressive resizing (data.resolution_start/end) "
-           "needs derangement or bank references")
-    _check(o.lr > 0, f"optim.lr = {o.lr}: expected > 0")
-    _check(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay}: expected >= 0")
-    _check(0.0 <= o.label_smoothing < 1.0, f"optim.label_smoothing = {o.label_smoothing}: expected [0, 1)")
-    _check(0.0 <= o.ema_decay < 1.0, f"optim.ema_decay = {o.ema_decay}: expected [0, 1)")
-    _check(o.warmup_epochs >= 0, f"optim.warmup_epochs = {o.warmup_epochs}: expected >= 0")
-    _check(0.0 <= o.warmup_start <= 1.0, f"optim.warmup_start = {o.warmup_start}: expected a fraction in [0, 1]")
-    _check(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio = {o.min_lr_ratio}: expected a fraction in [0, 1]")
-    _check(o.lr_batch >= 0, f"optim.lr_batch = {o.lr_batch}: expected a global batch size >= 1, or 0 to use optim.lr as given")
-    _check(all(isinstance(m, (int, float)) and m >= 0 for m in o.milestones), f"optim.milestones = {o.milestones}: expected epochs >= 0")
-    _check(0.0 <= g.random_erasing <= 1.0, f"augment.random_erasing = {g.random_erasing}: expected a probability in [0, 1]")
-    _check(g.mixup_alpha >= 0, f"augment.mixup_alpha = {g.mixup_alpha}: expected >= 0 (0 disables Mixup)")
-    _check(g.cutmix_alpha >= 0, f"augment.cutmix_alpha = {g.cutmix_alpha}: expected >= 0 (0 disables CutMix)")
-    _check(0.0 <= g.mix_prob <= 1.0, f"augment.mix_prob = {g.mix_prob}: expected a probability in [0, 1]")
-    _check(0.0 <= g.switch_prob <= 1.0, f"augment.switch_prob = {g.switch_prob}: expected a probability in [0, 1]")
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas = {o.betas}: expected two values in [0, 1)")
-    _check(t.epochs >= 1, f"train.epochs = {t.epochs}: expected >= 1")
-    _check(t.log_interval >= 1, f"train.log_interval = {t.log_interval}: expected >= 1")
-    _check(t.checkpoint_interval >= 0, f"train.checkpoint_interval = {t.checkpoint_interval}: expected >= 0 steps (0: end of epoch only)")
-    _check(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints}: expected >= 0 (0 keeps all)")
-    _check(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+
+
+def _check_known(config: Config) -> None:
+    """The names and packages that other floors know: tensorboard, the model, the loader's abilities, corruptions,
+    named evaluation sets. Imported late: timm and torch are slow to import, and `--help` needs neither."""
+    _check(not config.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
            "train.tensorboard = true needs the tensorboard package: pip install 'fastanchor[tensorboard]'")
-    _check(t.max_steps >= 0, f"train.max_steps = {t.max_steps}: expected >= 0 (0: train every epoch)")
-    _check(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
-           f"train.device = {t.device!r}: expected auto, cpu, cuda or cuda:N")
-    _check(all(isinstance(s, int) and 1 <= s <= 5 for s in e.severities), f"eval.severities = {e.severities}: expected integers 1 to 5")
-    _check(e.num_references >= 1, f"eval.num_references = {e.num_references}: expected >= 1")
-    _check(e.ood_references >= 1, f"eval.ood_references = {e.ood_references}: expected >= 1")
-    f = config.finetune_ood
-    _check(f.steps >= 1, f"finetune_ood.steps = {f.steps}: expected >= 1")
-    _check(f.lr > 0, f"finetune_ood.lr = {f.lr}: expected > 0")
-    _check(0.0 <= f.momentum < 1.0, f"finetune_ood.momentum = {f.momentum}: expected [0, 1)")
-    _check(f.weight_decay >= 0, f"finetune_ood.weight_decay = {f.weight_decay}: expected >= 0")
-    _check(f.rho > 0, f"finetune_ood.rho = {f.rho}: expected > 0")
-    _check(f.ood_weight >= 0, f"finetune_ood.ood_weight = {f.ood_weight}: expected >= 0")
-    _check(len(f.jigsaw_grids) > 0 and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 for g in f.jigsaw_grids),
-           f"finetune_ood.jigsaw_grids = {f.jigsaw_grids}: expected a non-empty list of integers >= 2")
-    _check(1 <= config.augment.augmix_severity <= 10, f"augment.augmix_severity = {config.augment.augmix_severity}: expected 1 to 10")
-    _check(g.pixmix_k >= 0, f"augment.pixmix_k = {g.pixmix_k}: expected >= 0 mixing rounds")
-    _check(g.pixmix_beta > 0, f"augment.pixmix_beta = {g.pixmix_beta}: expected > 0")
-    _check(1 <= g.pixmix_severity <= 10, f"augment.pixmix_severity = {g.pixmix_severity}: expected 1 to 10")
-    _check(g.pixmix_pictures >= 1, f"augment.pixmix_pictures = {g.pixmix_pictures}: expected >= 1")
-    emb = config.embedded
-    _check(32 <= emb.image_size <= 256, f"embedded.image_size = {emb.image_size}: expected 32 to 256 pixels")
-    from fastanchor.trainer.models import check_model_name  # imported late: timm is slow to import
+    from fastanchor.trainer.models import check_blurpool, check_model_name
 
     check_model_name(config.model.name)
     if config.model.blurpool:
-        from fastanchor.trainer.models import check_blurpool
-
         check_blurpool(config.model.name)
-    # pipeline is imported late (here and below): it imports torch, which the CLI's --help does not need
     from fastanchor.pipeline.loaders.registry import check_loader_supports
 
     check_loader_supports(config.data.loader, config.augment.auto_augment)
-    _check(e.blt_candidates >= 1, f"eval.blt_candidates = {e.blt_candidates}: expected >= 1")
-    _check(e.blt_residuals >= 1, f"eval.blt_residuals = {e.blt_residuals}: expected >= 1")
-    _check(0.0 < e.react_percentile <= 100.0, f"eval.react_percentile = {e.react_percentile}: expected a percentile in (0, 100]")
-    _check(e.ece_bins >= 1, f"eval.ece_bins = {e.ece_bins}: expected >= 1")
-    _check(e.max_images >= 0, f"eval.max_images = {e.max_images}: expected >= 0 (0: all images)")
     from fastanchor.pipeline.shifts.corruptions import BAR_CORRUPTIONS, CORRUPTIONS, check_corruption_names
     from fastanchor.pipeline.shifts.corruptions_bar import C_BAR_TITLES
     from fastanchor.pipeline.shifts.eval_sets import check_named_paths
 
+    e = config.eval
     check_corruption_names(e.corruptions, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
     check_corruption_names(e.corruptions_bar, BAR_CORRUPTIONS[e.corruption_bar_parameters],
                            f"{C_BAR_TITLES[e.corruption_bar_parameters]} corruption")
     check_named_paths(e.datasets, "eval.datasets")
     check_named_paths(e.ood_sets, "eval.ood_sets")
+
+
+def validate(config: Config) -> None:
+    """Check every value once, at start-up; raise ConfigError naming the first bad one: the choices, each section's
+    own values (SECTION_CHECKS), the options that must agree with each other, then the names other floors know."""
+    _check_choices(config)
+    for section, checks in SECTION_CHECKS.items():
+        values = getattr(config, section)
+        check_all(checks(values), _shown(section, values))
+    for ok, message in _agreement_checks(config):
+        _check(ok, message)
+    _check_known(config)
