@@ -518,7 +518,7 @@ SECTION_CHECKS = {"anchor": _anchor_checks, "data": _data_checks, "optim": _opti
                   "embedded": _embedded_checks}
 
 
-def _shown(section: str, values) -> typing.Callable[[str], str]:
+def _named(section: str, values) -> typing.Callable[[str], str]:
     """'<section>.<option> = <value>' for a bad row's line (a text value quoted)."""
     def named(name: str) -> str:
         value = getattr(values, name)
@@ -584,7 +584,7 @@ def validate(config: Config) -> None:
     _check_choices(config)
     for section, checks in SECTION_CHECKS.items():
         values = getattr(config, section)
-        check_all(checks(values), _shown(section, values))
+        check_all(checks(values), _named(section, values))
     for ok, message in _agreement_checks(config):
         _check(ok, message)
     _check_known(config)
