@@ -53,3 +53,17 @@ def atomic_write_bytes(path: Path, write) -> None:
     """Call `write(file_object)` on a temporary file beside `path`, then as `atomic_path`."""
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         write(handle)
+
+
+def link_file(source: Path, target: Path) -> None:
+    """`target` becomes a hard link to the file `source` names (a symlink followed), or a copy of it where the two
+    are on different file systems; replaced atomically, so `target` is never half there."""
+    source = Path(source).resolve()
+    with atomic_path(target) as tmp:
+        os.unlink(tmp)
+        try:
+            os.link(source, tmp)
+        except OSError:  # another file system (EXDEV) or one without hard links
+            import shutil
+
+            shutil.copyfile(source, tmp)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from fastanchor.errors import ConfigError
 from fastanchor.reproduce.er import ER_EXPERIMENTS
-from fastanchor.reproduce.runs import Experiment, Run, Step  # noqa: F401 (the sweep's vocabulary, read from here)
+from fastanchor.reproduce.runs import Experiment, Run, Step
 from fastanchor.reproduce.scales import Evaluation, Setup, setups
 from fastanchor.reproduce.sft import SFT_EXPERIMENTS
 
@@ -97,7 +98,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment(
         "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
         ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True, references=10)},
-        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
+        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")},
+        trained_by="tab1"),
     Experiment(
         "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
         {"tiny": (0.0, 1.0), "default": (0.0, 0.25, 0.5, 0.75, 1.0)}, ("masking",), 3, 12,
@@ -134,6 +136,15 @@ def value_slug(value) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]", "_", str(value))
 
 
+def trained_elsewhere(run: Run, trainer: str, out: str) -> tuple[Step, ...]:
+    """The steps of a run whose model `trainer`'s run of the same name trains: that training (shared: whichever
+    experiment runs first trains it), its final.pt hard-linked into this run's folder, the evaluation there."""
+    trained, here = Path(out) / trainer / run.name / "final.pt", run.folder(out) / "final.pt"
+    return (Step("train", str(trained), recipe=run.recipe, overrides=run.train),
+            Step("link", str(here), checkpoint=str(trained)),
+            Step("evaluate", str(here.with_name("eval.json")), checkpoint=str(here), overrides=run.evaluate))
+
+
 def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
          progress: bool = True) -> tuple[list[Run], list[str]]:
     """Every run of `experiment` at `scale`, and notes on the data the plan found or left out."""
@@ -157,13 +168,14 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                     parts = [setup.name, arm] + ([AXIS_KEYS[experiment.axis] + value_slug(value)]
                                                  if value is not None else []) + [f"s{seed}"]
                     run_name = "-".join(parts)
-                    train = [*setup.train, *arm_sets, *experiment.overrides(setup, arm, value)]
+                    trainer = EXPERIMENTS[experiment.trained_by] if experiment.trained_by else experiment
+                    train = [*setup.train, *arm_sets, *trainer.overrides(setup, arm, value)]
                     if setup.small_epochs:
-                        train.append(f"train.epochs={experiment.small_epochs}")
-                    train += [f"train.seed={seed}", f"train.out_dir={Path(out) / experiment.name}",
+                        train.append(f"train.epochs={trainer.small_epochs}")
+                    train += [f"train.seed={seed}", f"train.out_dir={Path(out) / trainer.name}",
                               f"train.run_name={run_name}", f"train.device={device}",
                               f"train.progress={str(progress).lower()}"]
                     evaluate = [*setup.evaluation(ev), f"eval.seed={seed}"]
-                    runs.append(Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train),
-                                    tuple(evaluate)))
+                    run = Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train), tuple(evaluate))
+                    runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, out)) if experiment.trained_by else run)
     return runs, notes

@@ -10,6 +10,7 @@ sweep (sweep.py) runs every step whose output is missing, in order, and skips th
 Step kinds (sweep.py runs each through the function its command calls):
   train         `fastanchor train --config RECIPE --resume auto --set ...`             output <run>/final.pt
   evaluate      `fastanchor evaluate --checkpoint CKPT --set ...`                      output <run>/eval.json
+  link          another experiment's trained final.pt, hard-linked into this run's folder output <run>/final.pt
   finetune-ood  `fastanchor finetune-ood --checkpoint CKPT --out OUT --set ...`        output OUT/summary.json
   ood-sets      benchmarks/sft_ood_sets.py: pseudo-OOD and jigsaw sets from val images output the folder
   testbed       trainer/safety/testbed.py's build_testbed over already trained members  output testbed_fit.json
@@ -101,6 +102,9 @@ class Experiment:
     strict_paper_setup: bool = False  # the paper's numbers only beside the setup that stands for the paper's own
     setup_papers: dict[str, str] = field(default_factory=dict)  # planner's setups -> the paper's ('' : none)
     paper_also: tuple[str, ...] = ()  # further blocks of the numbers file whose rows this table repeats
+    # the experiment whose training runs this one evaluates ('': its own): the same setups, arms, seeds and
+    # epochs, so each model is trained once, in that experiment's folder, and hard-linked into this one's
+    trained_by: str = ""
 
     def values_at(self, scale: str) -> tuple:
         return self.values.get(scale, self.values["default"])

@@ -33,6 +33,8 @@ def step_line(step: Step, device: str) -> str:
         return shlex.join(["fastanchor", "train", "--config", step.recipe, "--resume", "auto", *sets])
     if step.kind == "evaluate":
         return shlex.join(["fastanchor", "evaluate", "--checkpoint", step.checkpoint, "--device", device, *sets])
+    if step.kind == "link":
+        return shlex.join(["ln", "-L", "-f", step.checkpoint, step.output])
     if step.kind == "finetune-ood":
         return shlex.join(["fastanchor", "finetune-ood", "--checkpoint", step.checkpoint, "--out", step.folder,
                            "--device", device, *sets])
@@ -71,7 +73,7 @@ def state_of(run: Run, out: str | Path) -> str:
     return "done" if final and evaluation else "trained" if final else "started" if folder.exists() else "new"
 
 
-COUNTED = {"train": "trained", "evaluate": "evaluated", "finetune-ood": "fine-tuned", "ood-sets": "OOD sets made",
+COUNTED = {"train": "trained", "evaluate": "evaluated", "link": "linked", "finetune-ood": "fine-tuned", "ood-sets": "OOD sets made",
            "testbed": "testbeds fitted", "robustness": "robustness measured", "er-summary": "ER binned"}
 
 
@@ -87,6 +89,10 @@ def run_step(step: Step, device: str, progress: bool) -> None:
         from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
 
         evaluate_checkpoint(step.checkpoint, step.overrides, device, progress)
+    elif step.kind == "link":
+        from fastanchor.files import link_file
+
+        link_file(Path(step.checkpoint), Path(step.output))
     elif step.kind == "finetune-ood":
         from fastanchor.trainer.safety.finetune_ood import finetune_ood
 
@@ -136,8 +142,8 @@ def execute(runs: list[Run], out: str | Path, device: str, progress: bool, max_r
                     print(f"stopped after training {max_runs} run(s) (--max-runs): the same command goes on from {run.name}")
                     return counts
                 started = Path(step.output).parent.exists()
-                what = "training" if step.output.endswith(f"{run.name}/final.pt") or not run.steps else \
-                    f"training {Path(step.output).parent.name}"
+                trained = Path(step.output).parent  # a shared training run is named where it is
+                what = "training" if trained == run.folder(out) else f"training {trained.parent.name}/{trained.name}"
                 print(f"{where}: {what}" + (" (resuming)" if started else ""), flush=True)
             else:
                 print(f"{where}: {'evaluating' if step.kind == 'evaluate' else step.kind}", flush=True)

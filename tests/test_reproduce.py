@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -85,7 +86,8 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
         overrides = sets(train) + sets(evaluate)
         values = dict(o.split("=", 1) for o in overrides)
         assert Path(evaluate[3]) == out / experiment / values["train.run_name"] / "final.pt"
-        assert values["train.out_dir"] == str(out / experiment)
+        # (tab3 evaluates tab1's models: they are trained in tab1's folder)
+        assert values["train.out_dir"] == str(out / (EXPERIMENTS[experiment].trained_by or experiment))
         seeds_seen.add(int(values["train.seed"]))
         config = load_config(train[3], overrides)  # raises on anything that does not parse
         assert config.train.epochs >= 100  # the paper's schedules, not a shortened one
@@ -187,6 +189,25 @@ def test_tiny_paper_columns_sit_beside_ours(tiny_dataset, tmp_path):
     (record / "tab1" / "README.md").unlink()
     regenerate(record / "tab1")  # the committed README comes back from the committed result.json alone
     assert (record / "tab1" / "README.md").read_text() == written
+
+
+def test_tab3_evaluates_the_models_tab1_trained(tiny_dataset, tmp_path):
+    """Tables 1 and 3 are the same trained models: tab3 after tab1 trains nothing; each run's final.pt is tab1's
+    checkpoint file itself (a hard link), and its evaluation is written in tab3's folder, tab1's left untouched."""
+    out = tmp_path / "out"
+    args = ("--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress")
+    reproduce("tab1", *args)
+    tab1, _ = plan(EXPERIMENTS["tab1"], "tiny", str(tiny_dataset), str(out))
+    stamps = {p: p.stat().st_mtime_ns for r in tab1 for p in r.folder(out).rglob("*") if p.is_file()}
+    stdout = reproduce("tab3", *args).stdout
+    runs, _ = plan(EXPERIMENTS["tab3"], "tiny", str(tiny_dataset), str(out))
+    assert f"0 trained, {len(runs)} evaluated, 0 skipped (already done), {len(runs)} linked" in stdout
+    for run in runs:
+        trained = out / "tab1" / run.name / "final.pt"
+        assert os.path.samefile(run.folder(out) / "final.pt", trained)
+        assert "ood" in json.loads((run.folder(out) / "eval.json").read_text())
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    check_result("tab3", out, runs)
 
 
 def test_a_stopped_sweep_goes_on_where_it_stopped(tiny_dataset, tmp_path):
