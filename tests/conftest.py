@@ -34,6 +34,12 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return root
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked `first` (the suite's longest) run first: under `make test` one worker starts them at once
+    instead of finishing the suite alone with them."""
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)  # a stable sort: the order stays otherwise
+
+
 def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
     """`--set` overrides for a few CPU steps of the demo recipe on the tiny dataset."""
     values = {

@@ -12,7 +12,7 @@ from conftest import run_main
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL
 
-pytestmark = pytest.mark.slow  # trains the demo recipe twice (minutes)
+pytestmark = [pytest.mark.slow, pytest.mark.first]  # trains the demo recipe twice (minutes): started first
 EPOCHS = 12
 
 
