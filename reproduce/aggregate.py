@@ -228,6 +228,12 @@ def natural(text: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
+def value_order(value) -> tuple:
+    """Swept values in order: numbers by size (alpha 0.25 before 0.5), then names naturally ('whole' last)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (0, float(value), []) if number else (1, 0.0, natural(str(value)))
+
+
 # ----------------------------------------------------------------------------------------------
 # Aggregation
 
@@ -311,7 +317,7 @@ def markdown(result: dict) -> str:
         head.append(label(metric))
         if any(metric in g["paper"] for g in result["summary"]):
             head.append(f"paper {label(metric)}")
-    for g in sorted(result["summary"], key=lambda g: (g["setup"], arm_rank(g["arm"]), natural(str(g["value"])))):
+    for g in sorted(result["summary"], key=lambda g: (g["setup"], arm_rank(g["arm"]), value_order(g["value"]))):
         cells = [g["setup"] + (f" (paper: {g['paper_setup']})" if g["paper"] else ""), arm_label(g["arm"])]
         cells += ([str(g["value"]) if g["value"] is not None else "-"] if axis else []) + [str(len(g["seeds"]))]
         for metric in columns:

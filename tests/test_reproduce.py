@@ -453,3 +453,11 @@ def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
     assert pretrained.model.init_checkpoint == ""  # the recipe itself starts from random weights
     index = (tmp_path / "record" / "README.md").read_text()
     assert "[er-testbed](er-testbed/README.md)" in index and "[er-finetune](er-finetune/README.md)" in index
+
+
+def test_swept_values_are_tabled_in_numeric_order():
+    """alpha 0.25 before 0.5 (not as text, where '0.5' < '0.25'), |R| 5 before 50, the whole set last."""
+    from fastanchor.reproduce.aggregate import value_order
+
+    assert sorted([0.5, "whole", 0.25, 50, 5, 1.0], key=value_order) == [0.25, 0.5, 1.0, 5, 50, "whole"]
+    assert sorted(["pixmix", "augmix", "geometric"], key=value_order) == ["augmix", "geometric", "pixmix"]
