@@ -81,6 +81,8 @@ def run_demo(config: Config, out_dir: Path) -> Path:
     table = markdown_table(results)
     note = results["anchored"].get("ood", {}).get("convention", "")
     regime = sft_regime(sft["standard"]["finetune_ood"]["norm_layers"])  # measured on the model fine-tuned
+    regime += (" The paper's step on BatchNorm, GroupNorm and LayerNorm models, 3 seeds: `fastanchor reproduce sft-tab1-2`"
+               " (its record, benchmarks/results/reproduce/sft-tab1-2/, and what it shows: docs/reproduce.md).")
     summary = (f"# fastanchor demo\n\n{table}\n\nAccuracy of anchored models uses one random reference per test sample; "
                f"the std score uses K = {config.eval.num_references} references. {note}.\n\n"
                f"## OOD fine-tuning (SFT), before and after\n\n{sft_table(sft)}\n\n"
