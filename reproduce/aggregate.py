@@ -171,7 +171,7 @@ VIEWS = {
     "fig5b": View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"),
     **{name: View(SFT_COLUMNS, "bars_metrics", tuple(f"{s}_auroc" for s in SFT_SETS), "energy AUROC (%)",
                   ((("id_top1",), "ID top-1 (%)"),), plot_arms=r"energy.*")
-       for name in ("sft-tab1-2", "sft-tab4", "sft-tab6", "sft-tab8")},
+       for name in ("sft-tab1-2", "sft-tab4", "sft-tab6", "sft-tab8", "sft-pretrained")},
     **{name: View(SFT_COLUMNS, "curve", ("average_auroc", "textures_auroc", "id_top1"), "", plot_arms=r"energy.*")
        for name in ("sft-tab5", "sft-tab7")},
     "er-testbed": View((), "copy", (), ""),

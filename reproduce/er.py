@@ -60,6 +60,19 @@ def plan_testbed(experiment: Experiment, scale: str, data: str, out: str, seeds:
     return [testbed_run(experiment.name, scale, data, out, device, progress)], []
 
 
+def pretrain_step(scale: str, setup, out: str, out_dir: Path, run_name: str, extra) -> Step:
+    """Standard training on the larger embedded set (PRETRAIN; its data generated once under <out>/er/data at tiny
+    scale, data/embedded_pretrain at small) into <out_dir>/<run_name>/; `extra`: further overrides (model, device)."""
+    p = PRETRAIN[scale]
+    root = Path(out) / "er" / "data" / "pretrain" if scale == "tiny" else Path("data/embedded_pretrain")
+    embedded = {**(TINY_EMBEDDED if scale == "tiny" else {}), **{k: v for k, v in p.items() if k != "epochs"}}
+    return Step("train", str(out_dir / run_name / "final.pt"), recipe=setup.standard, overrides=(
+        *(o for o in setup.train if not o.startswith(("data.root=", "embedded."))), f"data.root={root}",
+        *(f"embedded.{k}={v}" for k, v in embedded.items()),
+        "anchor.enabled=false", f"train.epochs={p['epochs']}", "train.seed=0", f"train.out_dir={out_dir}",
+        f"train.run_name={run_name}", *extra))
+
+
 def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
                   progress: bool = True) -> tuple[list[Run], list[str]]:
     """Pretraining, the fine-tuning runs (pretrained and random init per seed), then the analysis (module docstring).
@@ -70,14 +83,7 @@ def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds
     runs, notes = [], []
     if scale == "tiny":
         runs.append(testbed_run(experiment.name, scale, data, out, device, progress))
-    p = PRETRAIN[scale]
-    pretrain_root = home / "data" / "pretrain" if scale == "tiny" else Path("data/embedded_pretrain")
-    embedded = {**(TINY_EMBEDDED if scale == "tiny" else {}), **{k: v for k, v in p.items() if k != "epochs"}}
-    pretrain = Step("train", str(home / "pretrain" / "final.pt"), recipe=setup.standard, overrides=(
-        *(o for o in setup.train if not o.startswith(("data.root=", "embedded."))), f"data.root={pretrain_root}",
-        *(f"embedded.{k}={v}" for k, v in embedded.items()),
-        "anchor.enabled=false", f"train.epochs={p['epochs']}", "train.seed=0", f"train.out_dir={home}",
-        "train.run_name=pretrain", *quiet))
+    pretrain = pretrain_step(scale, setup, out, home, "pretrain", quiet)
     runs.append(Run(experiment.name, "pretrain", setup.name, "pretrain", None, 0, setup.standard, pretrain.overrides, (),
                     steps=(pretrain,), result=pretrain.output, where=str(home / "pretrain")))
     size = FINETUNE_SIZE[scale]

@@ -10,7 +10,9 @@ seeds. A run is three steps:
     ood-sets      pseudo-OOD and 4x4-jigsaw sets from validation images: <out>/sft/ood_sets/ (once)
     finetune-ood  the setting, from the base's final.pt: <out>/sft/finetune/<setup>-s<seed>/<setting>/
 
-and every table's runs name the same base and, where settings agree (the paper's step itself is a row of
+(`sft-pretrained`'s `-pretrained` setups: the base is pretrained once per model on er.py's larger embedded
+set, <out>/sft/pretrain/<model>/, then fine-tuned on the demo data from it, as the paper's ImageNet-pretrained
+models are the ones it fine-tunes), and every table's runs name the same base and, where settings agree (the paper's step itself is a row of
 Tables 1-2, 4, 5, 6, 7 and 8), the same fine-tuning folder: a base model is trained once per model and
 seed, and each distinct fine-tune runs once, whichever tables ask for it.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from fastanchor.reproduce.er import pretrain_step
 from fastanchor.reproduce.runs import Experiment, Run, Step
 from fastanchor.reproduce.scales import Evaluation, setups
 from fastanchor.trainer.safety.sft_tables import PAPER_STEP
@@ -37,6 +40,9 @@ MODELS = {
     "resnet_tiny-gn": ("fastanchor_resnet_tiny_gn", "ResNetv2-101"),
     "convnext_atto-ln": ("convnext_atto", "T2T-ViT-24"),
 }
+PRETRAINED = "-pretrained"  # a setup's suffix: its base is pretrained on the larger set, then trained on the demo data
+# that training from the pretrained weights: the demo recipe (AdamW, cosine) at a quarter of its rate, a third of its epochs
+BASE_FROM_PRETRAINED = {"small": ["optim.lr=0.0005", "train.epochs=8"], "tiny": ["optim.lr=0.0005", "train.epochs=1"]}
 SET_NAMES = {"ood": "shapes", "ood_textures": "textures"}  # finetune-ood's set names -> the table's
 SETS = ("shapes", "textures", "pseudo_ood", "jigsaw4", "average")
 OOD_SET_IMAGES = {"tiny": 16, "small": 300}
@@ -51,6 +57,7 @@ SETTINGS: dict[str, list[tuple[str, list[str], str, object]]] = {
     "sft-tab6": [("sft", [], "+sft", None), ("sam", ["finetune_ood.optimizer=sam"], "+sam", None)],
     "sft-tab7": [(f"rho_{rho}", [f"finetune_ood.rho={rho}"], "+sft", rho) for rho in (0.05, 0.1, 0.5, 1.0, 2.0)],
     "sft-tab8": [("sft", [], "+sft", None), ("sgd", ["finetune_ood.optimizer=sgd"], "+ft_sgd", None)],
+    "sft-pretrained": [("sft", [], "+sft", None)],
 }
 TINY_SETTINGS = {"sft-tab5": (1, 2), "sft-tab7": (0.05, 0.5)}  # the swept values kept at tiny scale
 
@@ -79,12 +86,16 @@ def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int
                 else [r for r in rows if r[3] in kept] if kept else rows)
     runs = []
     for name in experiment.setups.get(scale, tuple(MODELS)):
-        model, _ = MODELS[name]
+        model, _ = MODELS[name.removesuffix(PRETRAINED)]
+        pretrain = (pretrain_step(scale, setup, out, home / "pretrain", name.removesuffix(PRETRAINED),
+                                  (f"model.name={model}", f"train.device={device}", *quiet))
+                    if name.endswith(PRETRAINED) else None)
         for seed in range(count):
             base_name = f"{name}-s{seed}"
             base = home / "base" / base_name
             train = (*setup.train, f"model.name={model}", "anchor.enabled=false", f"train.seed={seed}",
-                     f"train.out_dir={home / 'base'}", f"train.run_name={base_name}", f"train.device={device}", *quiet)
+                     f"train.out_dir={home / 'base'}", f"train.run_name={base_name}", f"train.device={device}", *quiet,
+                     *([f"model.init_checkpoint={pretrain.output}", *BASE_FROM_PRETRAINED[scale]] if pretrain else []))
             base_step = Step("train", str(base / "final.pt"), recipe=setup.standard, overrides=train)
             sets_step = Step("ood-sets", str(sets), data=root, folder=str(sets), count=OOD_SET_IMAGES[scale])
             for setting, extra, suffix, value in rows:
@@ -96,7 +107,8 @@ def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int
                 finetune = Step("finetune-ood", str(folder / "summary.json"), checkpoint=str(base / "final.pt"),
                                 folder=str(folder), overrides=(*PAPER_STEP, *extra, *tiny, *evaluation, *quiet))
                 runs.append(Run(experiment.name, f"{name}-{setting}-s{seed}", name, suffix, value, seed, setup.standard,
-                                train, (), steps=(base_step, sets_step, finetune), result=finetune.output,
+                                train, (), steps=(*([pretrain] if pretrain else []), base_step, sets_step, finetune),
+                                result=finetune.output,
                                 where=str(folder)))
     return runs, []
 
@@ -132,13 +144,16 @@ def sft_rows(run: Run, result: dict) -> list[tuple[str, object, dict[str, float]
 SMALL_EPOCHS = 24  # the demo recipe's own (the base models train as `fastanchor demo`'s standard model)
 SFT_EVALUATION = {"default": Evaluation(corruptions=False, ood=True)}
 SFT_SETUPS = {"tiny": ("resnet_tiny-bn", "resnet_tiny-gn")}  # CI: the two small CNNs (convnext_atto planned at small)
-SETUP_PAPERS = {name: paper for name, (_, paper) in MODELS.items()}
+# sft-pretrained: the norm-layer models the paper's claim is about, from scratch (sft-tab1-2's runs) and pretrained
+PRETRAINED_SETUPS = {"tiny": ("resnet_tiny-gn", "resnet_tiny-gn" + PRETRAINED),
+                     "small": tuple(n + end for n in ("resnet_tiny-gn", "convnext_atto-ln") for end in ("", PRETRAINED))}
+SETUP_PAPERS = {name + end: paper for name, (_, paper) in MODELS.items() for end in ("", PRETRAINED)}
 
 
-def sft_experiment(name: str, title: str, source: str, axis: str = "") -> Experiment:
+def sft_experiment(name: str, title: str, source: str, axis: str = "", models: dict = SFT_SETUPS) -> Experiment:
     values = tuple(dict.fromkeys(v for *_, v in SETTINGS[name]))
     return Experiment(name, title, source, axis, {"default": values}, tuple(s for s, *_ in SETTINGS[name]), 3,
-                      SMALL_EPOCHS, SFT_EVALUATION, setups=SFT_SETUPS, paper="002", scales=("tiny", "small"),
+                      SMALL_EPOCHS, SFT_EVALUATION, setups=models, paper="002", scales=("tiny", "small"),
                       planner=plan_sft, rows=sft_rows, strict_paper_setup=True, setup_papers=SETUP_PAPERS,
                       paper_also=("sft-tab1-2",) if name != "sft-tab1-2" else ())
 
@@ -151,4 +166,6 @@ SFT_EXPERIMENTS = (
     sft_experiment("sft-tab6", "SAM on every parameter vs SAM on the normalisation layers only (SFT)", "Table 6"),
     sft_experiment("sft-tab7", "SFT's SAM radius rho from 0.05 to 2", "Table 7", "rho"),
     sft_experiment("sft-tab8", "SAM-ON (SFT) vs plain SGD fine-tuning on the same objective", "Table 8"),
+    sft_experiment("sft-pretrained", "SFT on GN and LN models pretrained on a larger set vs the same from scratch",
+                   "Tables 1 and 2 (the paper fine-tunes pretrained models)", models=PRETRAINED_SETUPS),
 )

@@ -321,7 +321,7 @@ def check_sft_result(experiment: str, out: Path, runs) -> dict:
             group = next(g for g in result["summary"] if (g["setup"], g["arm"], g["value"]) == (run.setup, arm, value))
             for key, number in sft_expected(summary, when, "energy").items():
                 assert group["metrics"][key]["mean"] == pytest.approx(number), (run.name, when, key)
-            compared = {"resnet_tiny-gn": "ResNetv2-101"}.get(run.setup)  # BatchNorm: no paper model to stand beside
+            compared = {"resnet_tiny-gn": "ResNetv2-101"}.get(run.setup.removesuffix("-pretrained"))  # BatchNorm: none
             expected = {e["metric"]: e["number"] for e in reversed(paper)  # the table's own number first
                         if e["setup"] == compared and e["arm"] == arm and e["value"] == value}
             assert {k: v["number"] for k, v in group["paper"].items()} == {k: v for k, v in expected.items()
@@ -357,6 +357,19 @@ def test_sft_tables_share_their_base_models_and_fine_tunes(tiny_dataset, tmp_pat
     arms = {g["arm"] for g in result["summary"]}
     assert {"energy", "energy+sft", "energy+sft_only_id_data", "msp", "msp+sft"} <= arms
     assert "| resnet_tiny-gn (paper: ResNetv2-101) | energy+sft_only_id_data |" in (out / "sft-tab4" / "result.md").read_text()
+
+    # the pretrained regime: the GroupNorm model pretrained once on the larger set, trained on the data from it
+    fourth = reproduce("sft-pretrained", *args).stdout
+    assert "2 trained, 0 evaluated, 1 skipped (already done), 1 fine-tuned" in fourth
+    pretrained, _ = plan(EXPERIMENTS["sft-pretrained"], "tiny", str(tiny_dataset), str(out))
+    assert [r.setup for r in pretrained] == ["resnet_tiny-gn", "resnet_tiny-gn-pretrained"]
+    assert done.stat().st_mtime_ns == stamp
+    pretrain = yaml.safe_load((out / "sft" / "pretrain" / "resnet_tiny-gn" / "config.yaml").read_text())
+    base = yaml.safe_load((out / "sft" / "base" / "resnet_tiny-gn-pretrained-s0" / "config.yaml").read_text())
+    assert base["model"]["init_checkpoint"] == str(out / "sft" / "pretrain" / "resnet_tiny-gn" / "final.pt")
+    assert pretrain["embedded"]["num_classes"] > base["embedded"]["num_classes"]  # the head re-initialised between
+    assert pretrain["model"]["name"] == base["model"]["name"] == "fastanchor_resnet_tiny_gn"
+    check_sft_result("sft-pretrained", out, pretrained)
 
 
 @pytest.mark.slow
@@ -396,11 +409,16 @@ def test_sft_and_er_dry_runs_at_small_scale_parse(tmp_path):
                 build_parser().parse_args(argv[1:])  # robustness: its flags parse
         if experiment in SFT:
             assert not out.exists()
-            assert {r.setup for r in runs} == {"resnet_tiny-bn", "resnet_tiny-gn", "convnext_atto-ln"}
-            assert {r.seed for r in runs} == {0, 1, 2}
-            bases = {(r.setup, r.seed): r.steps[0].output for r in runs}
-            assert all(r.steps[0].output == bases[r.setup, r.seed] for r in runs)
-            assert len(set(bases.values())) == 9
+            pretrained = experiment == "sft-pretrained"
+            models = {"resnet_tiny-gn", "convnext_atto-ln"} | (set() if pretrained else {"resnet_tiny-bn"})
+            setups = models | {m + "-pretrained" for m in models} if pretrained else models
+            assert {r.setup for r in runs} == setups and {r.seed for r in runs} == {0, 1, 2}
+            base = {r.name: next(s.output for s in r.steps if s.output.startswith(str(out / "sft" / "base"))) for r in runs}
+            assert len(set(base.values())) == len({(r.setup, r.seed) for r in runs}) == 3 * len(setups)
+            pretrains = {r.setup: r.steps[0].output for r in runs if r.setup.endswith("-pretrained")}
+            assert all(len(r.steps) == 3 + r.setup.endswith("-pretrained") for r in runs)
+            assert sorted(pretrains.values()) == sorted(str(out / "sft" / "pretrain" / m / "final.pt") for m in models
+                                                        if pretrained)
     result = run_main("reproduce", "sft-tab5", "--scale", "cifar", "--data", tmp_path, "--dry-run")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and "tiny, small" in result.stderr
 
