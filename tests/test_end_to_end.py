@@ -83,6 +83,31 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
                 assert shown == pytest.approx(per_set, abs=0.006) and mean == pytest.approx(sum(per_set) / 2, abs=0.006)
 
 
+def test_demo_sft_line_reads_the_committed_record(tmp_path):
+    """The demo's line on the SFT record names each norm-layer model's textures AUROC and ID change from the
+    experiments' result.json (BatchNorm and from-scratch rows of sft-pretrained left out), and nothing without them."""
+    from fastanchor.cli.demo import sft_record_line
+
+    def group(setup, arm, **metrics):
+        return {"setup": setup, "arm": arm, "metrics": {k: {"mean": v, "std": 0.0, "n": 3} for k, v in metrics.items()}}
+
+    record = tmp_path / "benchmarks" / "results" / "reproduce"
+    assert sft_record_line(record) == ""
+    rows = {"sft-tab1-2": [group(m, "energy", textures_auroc=20.04, id_top1=97.0) for m in ("resnet_tiny-bn", "resnet_tiny-gn")]
+            + [group(m, "energy+sft", textures_auroc=95.96, id_top1=75.0, id_top1_change=-22.25)
+               for m in ("resnet_tiny-bn", "resnet_tiny-gn")],
+            "sft-pretrained": [group(m, "energy", textures_auroc=50.0, id_top1=99.0) for m in ("resnet_tiny-gn", "resnet_tiny-gn-pretrained")]
+            + [group("resnet_tiny-gn", "energy+sft", textures_auroc=95.96, id_top1=75.0, id_top1_change=-22.25),
+               group("resnet_tiny-gn-pretrained", "energy+sft", textures_auroc=99.0, id_top1=98.5, id_top1_change=-0.5)]}
+    for experiment, summary in rows.items():
+        (record / experiment).mkdir(parents=True)
+        (record / experiment / "result.json").write_text(json.dumps({"summary": summary}))
+    line = sft_record_line(record)
+    assert line == ("The paper's step at small scale (benchmarks/results/reproduce/sft-tab1-2 and sft-pretrained): "
+                    "resnet_tiny-gn, 3 seeds: textures energy AUROC 20.0 -> 96.0, ID top-1 -22.2; resnet_tiny-gn-pretrained, "
+                    "3 seeds: textures energy AUROC 50.0 -> 99.0, ID top-1 -0.5 (the paper: ID top-1 within 1 point).")
+
+
 def test_other_options_train_in_process(tiny_dataset, tmp_path):
     from conftest import run_main
 
