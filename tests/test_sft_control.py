@@ -127,3 +127,18 @@ def test_the_pseudo_ood_and_jigsaw_sets_are_permutations_of_validation_images_an
                          f"eval.ood_sets=[pseudo_ood={folders[0]},jigsaw4={folders[1]}]")
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((tmp_path / "std" / "eval.json").read_text())["ood"]["over"] == ["ood", "pseudo_ood", "jigsaw4"]
+
+
+def test_control_table_judges_seed_noise_by_hand(tmp_path):
+    """The generated table's verdict, worked by hand: ID 80 ± 3 vs 82 ± 4 over 3 seeds differ by 2, under twice the
+    standard error sqrt((9 + 16) / 3) = 2.89; AUROC 90 ± 1 vs 95 ± 1 differ by 5, over twice sqrt(2 / 3) = 0.82."""
+    from fastanchor.benchmarks.sft_control_table import write_table
+
+    result = {"checkpoint": "base/final.pt", "seeds": [0, 1, 2],
+              "control": {"after": {"top1": {"mean": 80.0, "std": 3.0}, "energy_auroc/textures": {"mean": 0.90, "std": 0.01}}},
+              "project": {"after": {"top1": {"mean": 82.0, "std": 4.0}, "energy_auroc/textures": {"mean": 0.95, "std": 0.01}}}}
+    (tmp_path / "gn-s0.json").write_text(json.dumps(result))
+    text = write_table(tmp_path).read_text()
+    assert "## gn-s0" in text
+    assert "| ID top-1 | 80.00 ± 3.00 | 82.00 ± 4.00 | +2.00 | yes |" in text
+    assert "| energy AUROC, textures | 90.00 ± 1.00 | 95.00 ± 1.00 | +5.00 | no |" in text
