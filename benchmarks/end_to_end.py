@@ -59,9 +59,12 @@ def naive_batch(stage: AnchoringStage, pair) -> AnchoredBatch:
 def e2e_settings(options: EndToEndOptions, device: torch.device):
     """(recipe config or None, loader name, model, image size, batch size): --loader, --model and --batch-size where
     given, else the recipe's (data.loader, its model at its first-epoch resolution, data.batch_size), else by device.
-    With a recipe, its train.amp and train.channels_last replace the options'."""
+    With a recipe, its train.amp and train.channels_last replace the options'; --alpha -1 is its anchor.alpha (0.2
+    without one)."""
     cuda = device.type == "cuda"
     config = options.recipe_config()
+    if options.alpha == -1:
+        options.alpha = config.anchor.alpha if config else 0.2
     if config is None:
         model_at = parse_model_at(by_device(options.model, "fastanchor_resnet_tiny@64", "resnet50@176", cuda))
         return None, by_device(options.loader, "ffcv", "nvjpeg", cuda), *model_at, by_device(options.batch_size, 64, 256, cuda)
@@ -128,7 +131,8 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
         options.tag = options.tag or options.recipe_tag()
     result, paths = run_and_write("e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
                                   config_extra={"resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
-                                                             "workers": request.workers}, "dataset": images})
+                                                             "alpha": options.alpha, "workers": request.workers},
+                                                "dataset": images})
     if options.profile_batches and cases[0].run is not None:
         path = paths["json"].with_name(paths["json"].stem + "-profile.txt")
         write_profile(lambda: profiled_batches(loader, anchored_stage, anchored, options.profile_batches), device, path)

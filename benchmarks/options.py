@@ -220,12 +220,13 @@ batch augmentations, mixing, precision and anchoring settings (instead of --mode
 class EndToEndOptions(ImageDataOptions, TrainingOptions, FromRecipe):
     """With --config RECIPE the loader, model, step and stage are built from the recipe as `fastanchor train` builds
 them: its data.loader, crop, flip and policy, its model at its first-epoch resolution, batch size, optimiser, batch
-augmentations, mixing and precision (--loader, --model, --batch-size still choose where given)."""
+augmentations, mixing, masking (anchor.alpha and mask_level) and precision (--loader, --model, --batch-size and
+--alpha still choose where given)."""
 
     loader: str = option("", "the loader feeding the step: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
     model: str = option("", "<model>@<size> trained (default: fastanchor_resnet_tiny@64 on CPU, resnet50@176 on CUDA)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
-    alpha: float = option(0.2, "reference-masking probability of the anchored runs (batch level, as the trainer)")
+    alpha: float = option(-1.0, "reference-masking probability of the anchored runs (-1: the recipe's, else 0.2)")
     naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
     profile_batches: int = option(0, "then profile this many anchored batches (torch.profiler table beside the result; 0: none)")
 
@@ -235,7 +236,7 @@ augmentations, mixing and precision (--loader, --model, --batch-size still choos
         return super().checks() + [
             ("loader", self.loader == "" or self.loader in LOADER_NAMES, f"one of {', '.join(LOADER_NAMES)}"),
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2"),
-            ("alpha", 0 <= self.alpha <= 1, "a probability in [0, 1]"),
+            ("alpha", self.alpha == -1 or 0 <= self.alpha <= 1, "-1 (the recipe's) or a probability in [0, 1]"),
             ("profile_batches", self.profile_batches >= 0, "0 (no profile) or a number of batches"),
         ]
 

@@ -232,7 +232,7 @@ def test_end_to_end_benchmark_of_a_recipe(tiny_dataset, tmp_path):
     result = bench("e2e", *COMMON, "--config", recipe, "--data", tiny_dataset / "train", "--images", 12, "--workers", 1,
                    "--warmup-batches", 1, "--no-naive", "--out", tmp_path)
     assert result["config"]["resolved"] == {"loader": "torchvision", "model": "fastanchor_resnet_tiny@16", "batch_size": 4,
-                                            "workers": 1}
+                                            "alpha": 0.25, "workers": 1}  # the demo recipe's anchor.alpha
     assert sorted(cases(result)) == [f"fastanchor_resnet_tiny@16 {kind}" for kind in ("anchored", "standard")]
     assert f"from the recipe {recipe}" in " ".join(result["notes"])
     assert [path.name for path in tmp_path.glob("e2e-*.json")] == ["e2e-cpu-small_demo.json"]  # tagged by the recipe
