@@ -126,7 +126,9 @@ def unknown_experiment(name: str) -> ConfigError:
 
 def experiment_lines() -> str:
     """One line per experiment, for `fastanchor reproduce --help`."""
-    return "experiments:\n" + "\n".join(f"  {e.name:<11} {e.title} (paper {e.paper}, {e.source})" for e in EXPERIMENTS.values())
+    width = max(len(name) for name in EXPERIMENTS)
+    return "experiments:\n" + "\n".join(f"  {e.name:<{width}} {e.title} (paper {e.paper}, {e.source})"
+                                         for e in EXPERIMENTS.values())
 
 
 AXIS_KEYS = {"|R|": "R", "alpha": "alpha", "augmentation": "", "label noise (%)": "noise"}  # run-name prefixes

@@ -167,5 +167,5 @@ SFT_EXPERIMENTS = (
     sft_experiment("sft-tab7", "SFT's SAM radius rho from 0.05 to 2", "Table 7", "rho"),
     sft_experiment("sft-tab8", "SAM-ON (SFT) vs plain SGD fine-tuning on the same objective", "Table 8"),
     sft_experiment("sft-pretrained", "SFT on GN and LN models pretrained on a larger set vs the same from scratch",
-                   "Tables 1 and 2 (the paper fine-tunes pretrained models)", models=PRETRAINED_SETUPS),
+                   "Tables 1 and 2, whose models are pretrained", models=PRETRAINED_SETUPS),
 )
