@@ -12,8 +12,8 @@ seeds. A run is three steps:
 
 (`sft-pretrained`'s `-pretrained` setups: the base is pretrained once per model on er.py's larger embedded
 set, <out>/sft/pretrain/<model>/, then fine-tuned on the demo data from it, as the paper's ImageNet-pretrained
-models are the ones it fine-tunes), and every table's runs name the same base and, where settings agree (the paper's step itself is a row of
-Tables 1-2, 4, 5, 6, 7 and 8), the same fine-tuning folder: a base model is trained once per model and
+models are the ones it fine-tunes), and every table's runs name the same base and, where settings agree (the
+paper's step itself is a row of Tables 1-2, 4, 5, 6, 7 and 8), the same fine-tuning folder: a base model is trained once per model and
 seed, and each distinct fine-tune runs once, whichever tables ask for it.
 
 A run's summary.json (finetune-ood's before/after evaluation on every OOD set) gives the table's rows in
@@ -86,10 +86,11 @@ def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int
                 else [r for r in rows if r[3] in kept] if kept else rows)
     runs = []
     for name in experiment.setups.get(scale, tuple(MODELS)):
-        model, _ = MODELS[name.removesuffix(PRETRAINED)]
-        pretrain = (pretrain_step(scale, setup, out, home / "pretrain", name.removesuffix(PRETRAINED),
+        model_setup = name.removesuffix(PRETRAINED)
+        model, _ = MODELS[model_setup]
+        pretrain = (pretrain_step(scale, setup, out, home / "pretrain", model_setup,
                                   (f"model.name={model}", f"train.device={device}", *quiet))
-                    if name.endswith(PRETRAINED) else None)
+                    if name != model_setup else None)
         for seed in range(count):
             base_name = f"{name}-s{seed}"
             base = home / "base" / base_name
@@ -108,8 +109,7 @@ def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int
                                 folder=str(folder), overrides=(*PAPER_STEP, *extra, *tiny, *evaluation, *quiet))
                 runs.append(Run(experiment.name, f"{name}-{setting}-s{seed}", name, suffix, value, seed, setup.standard,
                                 train, (), steps=(*([pretrain] if pretrain else []), base_step, sets_step, finetune),
-                                result=finetune.output,
-                                where=str(folder)))
+                                result=finetune.output, where=str(folder)))
     return runs, []
 
 
