@@ -7,11 +7,15 @@
 #   benchmarks/run_gpu.sh figures OUTDIR       # ImageNet-shaped JPEGs, then bench loader, op, step, e2e (nvJPEG
 #                                              # and FFCV, with a torch.profiler table) in the issue's setting:
 #                                              # ResNet-50, 176 px, bf16, channels-last, batch 256
+#   benchmarks/run_gpu.sh all OUTDIR           # both in one lease of about 9 minutes: the GPU test set while the
+#                                              # JPEGs are written on the CPUs, then the figures; the suite's CPU
+#                                              # tier is left out (run it on torch 2.11 off the GPU machine)
 #
 # Options: --device cpu rehearses either part on the CPU at tiny sizes (the GPU test set with
 # FASTANCHOR_TEST_DEVICE=cpu); --pack leaves only OUTDIR/<part>.log and OUTDIR/<part>.tar.gz (a lent
 # machine returns at most 8 files). Every stage runs under its own time limit (LIMIT_<STAGE> seconds), so
-# a stuck stage costs its limit, not the run; OUTDIR/<part>/stages.txt records each stage's exit status.
+# a stuck stage costs its limit, not the run; OUTDIR/<part>/stages.txt records each stage's exit status, and
+with --pack the archive is rewritten after every stage, so a run cut short still returns what it finished.
 #
 # Where fastanchor is not installed (a bare GPU machine, no network), it is installed into the machine's
 # Python (PYTHON, default .venv/bin/python or python3) with FFCV and the test dependencies from WHEELS
@@ -31,8 +35,8 @@ for arg in "$@"; do
         *) [[ $device == next ]] && device=$arg || { echo "run_gpu.sh: unknown option $arg" >&2; exit 2; } ;;
     esac
 done
-if [[ $part != correctness && $part != figures || -z $out || ($device != cuda && $device != cpu) ]]; then
-    echo "usage: benchmarks/run_gpu.sh correctness|figures OUTDIR [--device cuda|cpu] [--pack]" >&2
+if [[ $part != correctness && $part != figures && $part != all || -z $out || ($device != cuda && $device != cpu) ]]; then
+    echo "usage: benchmarks/run_gpu.sh correctness|figures|all OUTDIR [--device cuda|cpu] [--pack]" >&2
     exit 2
 fi
 mkdir -p "$out/$part" && out=$(cd "$out" && pwd) || exit 2
@@ -56,6 +60,7 @@ stage() {
     timeout --kill-after=10 "$limit" "$@"
     local status=$?
     printf '%-12s exit %3d  %4ds\n' "$name" "$status" $((SECONDS - started)) >>"$raw/stages.txt"
+    [[ $pack == 1 ]] && tar -czf "$out/.$part.$BASHPID.tar.gz" -C "$out" "$part" && mv "$out/.$part.$BASHPID.tar.gz" "$out/$part.tar.gz"
 }
 
 # --- the Python that runs everything: fastanchor importable and its console script installed ---------
@@ -84,18 +89,6 @@ PY
 cat "$raw/environment.txt"
 : >"$raw/stages.txt"
 
-if [[ $part == correctness ]]; then
-    tests=(tests/test_gpu.py tests/test_anchor_triton.py tests/test_reference_bank.py tests/test_pseudo_ood.py
-           tests/test_dali_loader.py)
-    stage gpu-tests "${LIMIT_GPU_TESTS:-240}" "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -v --tb=short -ra \
-        --durations=15 --junitxml="$raw/gpu-tests.xml"
-    # the rest of the suite on this machine's torch and CPU (the GPU hidden); the rehearsal runs one file of it
-    suite=$([[ $device == cuda ]] && echo tests || echo tests/test_config.py)
-    CUDA_VISIBLE_DEVICES="" stage suite "${LIMIT_SUITE:-250}" "$PYTHON" -m pytest "$suite" -m "not slow" \
-        -p no:cacheprovider -v --tb=short -ra --durations=15 --junitxml="$raw/suite-tests.xml"
-    exit 0
-fi
-
 bench=("$PYTHON" -m fastanchor.benchmarks)
 data=/tmp/fastanchor-bench-$device/imagenet_shaped
 if [[ $device == cuda ]]; then  # the issue's setting
@@ -107,10 +100,29 @@ else  # the rehearsal: every stage, tiny
     step_models=fastanchor_resnet_tiny@32,resnet18@32 model=fastanchor_resnet_tiny
     op_extra=(--iterations 2 --steps 2) step_extra=(--steps 2) profile=2
 fi
-common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress)
-stage data "${LIMIT_DATA:-80}" "${bench[@]}" data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress
-stage loader "${LIMIT_LOADER:-130}" "${bench[@]}" loader "${common[@]}" --data "$data/train" "${images[@]}" \
-    --loaders nvjpeg,torchvision,ffcv --batch-size "$batch" --image-size "$size" --repetitions 3
+write_data() {
+    stage data "${LIMIT_DATA:-80}" "${bench[@]}" data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress
+}
+
+if [[ $part != figures ]]; then
+    [[ $part == all ]] && { write_data & writing=$!; }  # the JPEGs on the CPUs while the GPU runs the tests
+    tests=(tests/test_gpu.py tests/test_anchor_triton.py tests/test_reference_bank.py tests/test_pseudo_ood.py
+           tests/test_dali_loader.py)
+    stage gpu-tests "${LIMIT_GPU_TESTS:-240}" "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -v --tb=short -ra \
+        --durations=15 --junitxml="$raw/gpu-tests.xml"
+    if [[ $part == correctness ]]; then
+        # the rest of the suite on this machine's torch and CPU (the GPU hidden); the rehearsal runs one file of it
+        suite=$([[ $device == cuda ]] && echo tests || echo tests/test_config.py)
+        CUDA_VISIBLE_DEVICES="" stage suite "${LIMIT_SUITE:-250}" "$PYTHON" -m pytest "$suite" -m "not slow" \
+            -p no:cacheprovider -v --tb=short -ra --durations=15 --junitxml="$raw/suite-tests.xml"
+        exit 0
+    fi
+    wait "$writing"  # not a bare wait: that would also wait for the log's tee
+else
+    write_data
+fi
+
+common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress)  # the headline figures first, the loaders last
 stage op "${LIMIT_OP:-50}" "${bench[@]}" op "${common[@]}" --batch-size "$batch" --image-size "$size" --dtype bfloat16 \
     --step-model "$model" "${op_extra[@]}"
 stage step "${LIMIT_STEP:-120}" "${bench[@]}" step "${common[@]}" --batch-size "$batch" --models "$step_models" "${step_extra[@]}"
@@ -118,3 +130,5 @@ for loader in nvjpeg ffcv; do
     stage "e2e-$loader" "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --data "$data/train" "${images[@]}" --loader "$loader" \
         --model "$model@$size" --batch-size "$batch" --profile-batches "$profile" --tag "$loader"
 done
+stage loader "${LIMIT_LOADER:-130}" "${bench[@]}" loader "${common[@]}" --data "$data/train" "${images[@]}" \
+    --loaders nvjpeg,torchvision,ffcv --batch-size "$batch" --image-size "$size" --repetitions 3
