@@ -24,8 +24,20 @@ IMAGENET_MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
+_STATS: dict[tuple, torch.Tensor] = {}  # (values, device) -> float32 [1, C, 1, 1]: made once per device
+
+
 def _channel_stats(values, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=torch.float32, device=like.device).view(1, -1, 1, 1)
+    """`values` (one per channel) as float32 [1, C, 1, 1] on `like`'s device. Python numbers are turned into a
+    device tensor once and kept: building it every batch is a host-to-device copy from pageable memory, which
+    on CUDA synchronises the stream (the host would wait for the device every step)."""
+    if torch.is_tensor(values) or torch.compiler.is_compiling():  # (a traced graph holds its constants itself)
+        return torch.as_tensor(values, dtype=torch.float32, device=like.device).view(1, -1, 1, 1)
+    key = (tuple(float(v) for v in values), like.device)
+    stats = _STATS.get(key)
+    if stats is None:
+        stats = _STATS[key] = torch.tensor(key[0], dtype=torch.float32, device=like.device).view(1, -1, 1, 1)
+    return stats
 
 
 def normalize(images: torch.Tensor, mean, std, dtype: torch.dtype = torch.float32) -> torch.Tensor:

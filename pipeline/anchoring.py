@@ -23,6 +23,7 @@ from fastanchor.pipeline.references import (
     InBatchDerangement,
     ReferenceBank,
     ReferenceSource,
+    to_device_async,
 )
 
 
@@ -114,7 +115,8 @@ class AnchoringStage:
         if not spec.anchored:
             masked = torch.zeros(images.shape[0], dtype=torch.bool, device=self.device)
             return AnchoredBatch(normalize(images, spec.mean, spec.std, self.dtype), labels, masked)
-        masked = draw_mask(images.shape[0], spec.alpha, spec.mask_level, self.generator).to(self.device)
+        # drawn on the host from the stage's generator, copied without a sync (pipeline/references.py)
+        masked = to_device_async(draw_mask(images.shape[0], spec.alpha, spec.mask_level, self.generator), self.device)
         pool, index = self.references.pair(images, self.generator)
         bank, slots = self.references.reserve(images) or (None, None)  # the bank is filled by the same pass
         inputs = anchor(images, pool, masked, spec.mean, spec.std, self.dtype, reference_index=index,

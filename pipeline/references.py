@@ -14,6 +14,20 @@ from __future__ import annotations
 import torch
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor (a per-batch random draw) on `device` without making the host wait for the device.
+
+    On CUDA a plain `.to(device)` from pageable memory is a blocking copy: it synchronises the stream,
+    so the host cannot queue the next step while the device runs this one. The draw goes through
+    pinned memory instead and is copied asynchronously (torch's pinned-memory cache keeps the buffer
+    until the copy has run). Elsewhere it is a plain `.to(device)`.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def derangement(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """A random permutation of range(n) with no fixed point: a random n-cycle (Sattolo-style).
 
@@ -66,7 +80,7 @@ class ReferenceSource:
 
 class InBatchDerangement(ReferenceSource):
     def pair(self, images, generator):
-        return images, derangement(images.shape[0], generator).to(images.device)
+        return images, to_device_async(derangement(images.shape[0], generator), images.device)
 
 
 class ReferenceBank(ReferenceSource):
@@ -127,10 +141,10 @@ class ReferenceBank(ReferenceSource):
     def pair(self, images, generator):
         self._fit(images)
         if self.filled == 0:
-            return images, derangement(images.shape[0], generator).to(images.device)
+            return images, to_device_async(derangement(images.shape[0], generator), images.device)
         drawn = torch.randint(self.filled, (images.shape[0],), generator=generator)
         index = (self.cursor - self.filled + drawn) % self.slots
-        return self.images, index.to(images.device)
+        return self.images, to_device_async(index, images.device)
 
     def reserve(self, images):
         self._fit(images)
@@ -169,4 +183,5 @@ class FixedReferenceSet(ReferenceSource):
     def pair(self, images, generator):
         if self.images.shape[1:] != images.shape[1:]:
             raise ValueError(f"reference images {tuple(self.images.shape[1:])} do not match the batch's {tuple(images.shape[1:])}")
-        return self.images, torch.randint(len(self), (images.shape[0],), generator=generator).to(self.images.device)
+        return self.images, to_device_async(torch.randint(len(self), (images.shape[0],), generator=generator),
+                                            self.images.device)

@@ -51,21 +51,30 @@ class UnmaskedRunningStats:
     def __init__(self, model: nn.Module):
         self.layers = batchnorm_layers(model)
 
+    def _buffers(self) -> list[list[torch.Tensor]]:
+        """The layers' statistics, by kind: every running_mean and running_var, every num_batches_tracked."""
+        return [[getattr(layer, name) for layer in self.layers for name in _BUFFERS[:2]],
+                [layer.num_batches_tracked for layer in self.layers]]
+
     @contextlib.contextmanager
     def forward(self, masked: torch.Tensor) -> Iterator[None]:
         if not self.layers or not self.layers[0].training:
             yield
             return
-        saved = [[getattr(layer, name).clone() for name in _BUFFERS] for layer in self.layers]
+        # A handful of kernels whatever the depth (a ResNet-50 has 53 layers, 159 buffers): each kind of
+        # buffer is saved as one flat copy, and put back with one select and one multi-tensor copy.
+        vectors, counts = self._buffers()
+        saved = [torch.cat(vectors), torch.stack(counts)]
         yield
         with torch.no_grad():
             batch_masked = masked[:1].reshape(())  # all or none: the first sample says which, no sync
-            for layer, before in zip(self.layers, saved):
-                for name, old in zip(_BUFFERS, before):
-                    current = getattr(layer, name)
-                    # .data: BatchNorm's backward keeps the running statistics as (unused) inputs; writing
-                    # through .data leaves their autograd version as the forward saw it
-                    current.data.copy_(torch.where(batch_masked, old, current))
+            vectors, counts = self._buffers()
+            kept_vectors = torch.where(batch_masked, saved[0], torch.cat(vectors))
+            kept_counts = torch.where(batch_masked, saved[1], torch.stack(counts))
+            # .data: BatchNorm's backward keeps the running statistics as (unused) inputs; writing through
+            # .data leaves their autograd version as the forward saw it
+            torch._foreach_copy_([v.data for v in vectors], list(kept_vectors.split([v.numel() for v in vectors])))
+            torch._foreach_copy_([c.data for c in counts], list(kept_counts.unbind()))
 
 
 @torch.no_grad()

@@ -26,7 +26,9 @@ def soft_targets(
     """[B] int64 labels (+ bool mask) -> [B, C] float32 target distributions."""
     if masked_target not in ("uniform", "label"):
         raise ValueError(f"masked_target = {masked_target!r}: expected 'uniform' or 'label'")
-    targets = F.one_hot(labels, num_classes).float() * (1.0 - label_smoothing) + label_smoothing / num_classes
+    # one-hot by scatter rather than F.one_hot, whose range checks read the labels on the host on some devices
+    one_hot = torch.zeros((*labels.shape, num_classes), device=labels.device).scatter_(-1, labels.unsqueeze(-1), 1.0)
+    targets = one_hot * (1.0 - label_smoothing) + label_smoothing / num_classes
     if masked is not None and masked_target == "uniform":
         targets = torch.where(masked.view(-1, 1), torch.full_like(targets, 1.0 / num_classes), targets)
     return targets
