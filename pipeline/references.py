@@ -20,12 +20,14 @@ def to_device_async(tensor: torch.Tensor, device: torch.device | str) -> torch.T
     On CUDA a plain `.to(device)` from pageable memory is a blocking copy: it synchronises the stream,
     so the host cannot queue the next step while the device runs this one. The draw goes through
     pinned memory instead and is copied asynchronously (torch's pinned-memory cache keeps the buffer
-    until the copy has run). Elsewhere it is a plain `.to(device)`.
+    until the copy has run); other accelerators get a non-blocking copy too. On the CPU it stays put.
     """
     device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
+    if device.type == "cpu" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def derangement(n: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -143,6 +143,40 @@ def test_anchored_training_steps_under_bf16_and_channels_last(tiny_dataset, tmp_
     assert first_conv.shape[1] == 6 and torch.isfinite(first_conv).all()
 
 
+@pytest.mark.parametrize("anchored, alpha, level, references", [
+    (False, 0.0, "batch", "derangement"), (True, 0.0, "batch", "derangement"), (True, 1.0, "batch", "derangement"),
+    (True, 0.5, "sample", "bank"), (True, 0.2, "batch", "fixed"),
+], ids=["standard", "anchored", "anchored+masked", "sample-bank", "fixed"])
+def test_the_stage_and_step_never_make_the_host_wait_for_the_device(anchored, alpha, level, references):
+    """What `bench step` times, under torch's sync debug mode: a host read of a device value or a blocking copy raises
+    (issue 29; tests/test_step_syncs.py checks the same on the meta device)."""
+    from fastanchor.trainer.build import build_model, make_optimizer, make_stage, make_step
+    from fastanchor.trainer.config import Config
+
+    device = torch.device(DEVICE)
+    config = Config()
+    config.model.name, config.data.image_size, config.train.amp = "fastanchor_resnet_tiny", 32, "bf16" if ON_GPU else "off"
+    config.train.channels_last = True
+    config.anchor.enabled, config.anchor.alpha, config.anchor.mask_level = anchored, alpha, level
+    config.anchor.references = references
+    model = build_model(config, 10, device).train()
+    step = make_step(config, model, make_optimizer(model, config), device)
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, device=device).contiguous(
+        memory_format=torch.channels_last)
+    labels = torch.randint(0, 10, (16,), device=device)
+    stage = make_stage(config, (), device, fixed_references=images if references == "fixed" else None)
+    step(stage.process(images, labels))  # the first batch sets things up (the kernel, channel statistics, the bank)
+    if ON_GPU:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [step(stage.process(images, labels)) for _ in range(3)]
+    finally:
+        if ON_GPU:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(torch.stack(losses)).all()
+
+
 def test_a_bf16_step_gives_the_float32_loss_within_rounding(tiny_dataset, tmp_path):
     first = {}
     for amp in ("bf16", "off"):
