@@ -30,6 +30,7 @@ from fastanchor.benchmarks.options import EndToEndOptions, by_device, parse_mode
 from fastanchor.benchmarks.train_step import TrainingSetup, model_at_resolution
 from fastanchor.kernels import anchor
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringStage, draw_mask, to_device_batch
+from fastanchor.pipeline.references import to_device_async
 
 UNIT = "images/s"
 
@@ -52,7 +53,7 @@ def naive_batch(stage: AnchoringStage, pair) -> AnchoredBatch:
     images, labels = to_device_batch(images, labels, stage.device)
     references, _ = to_device_batch(references, labels, stage.device)
     spec = stage.spec
-    masked = draw_mask(images.shape[0], spec.alpha, spec.mask_level, stage.generator).to(stage.device)
+    masked = to_device_async(draw_mask(images.shape[0], spec.alpha, spec.mask_level, stage.generator), stage.device)
     return AnchoredBatch(anchor(images, references, masked, spec.mean, spec.std, stage.dtype), labels, masked)
 
 

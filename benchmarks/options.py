@@ -206,6 +206,8 @@ batch augmentations, mixing, precision and anchoring settings (instead of --mode
     models: str = option("", "comma-separated <model>@<size> ('': by device, see docs/benchmarks.md)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
+    profile_steps: int = option(0, "then profile this many steps of each case (torch.profiler tables beside the result; 0: none)")
+    cudnn_benchmark: bool = option(False, "cuDNN autotuning of convolution algorithms for every case (the trainer leaves it off)")
 
     def checks(self):
         for text in names_list(self.models):
@@ -213,6 +215,7 @@ batch augmentations, mixing, precision and anchoring settings (instead of --mode
         return super().checks() + [
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2 (a derangement needs 2)"),
             ("steps", self.steps >= 0, "0 (by device) or a positive count"),
+            ("profile_steps", self.profile_steps >= 0, "0 (no profile) or a number of steps"),
         ]
 
 

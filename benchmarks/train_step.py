@@ -14,18 +14,23 @@ mixing, precision and anchoring settings). Three cases per model:
 
 Any alpha lies between the last two. Steps are not synchronised one by one (the trainer reads the
 loss every step; here the device is synchronised at the end of each repetition).
+
+`--profile-steps N` then profiles N steps of every case with torch.profiler, the stage and the step marked
+as ranges: one table per case beside the result (`<result>-profile-<case>.txt`), to be read side by side.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
-from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchronize
+from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchronize, write_profile
 from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
 from fastanchor.pipeline.anchoring import AnchoringStage
 from fastanchor.trainer.config import Config
@@ -95,6 +100,21 @@ def step_case(name: str, setup: TrainingSetup, stage: AnchoringStage, batches, s
     return Case(name, UNIT, run, info=info)
 
 
+def profiled_steps(setup: TrainingSetup, stage: AnchoringStage, batches, steps: int) -> None:
+    """`steps` steps as `step_case` times them, the anchoring stage and the training step marked as profiler ranges."""
+    for i in range(steps):
+        images, labels = batches[i % len(batches)]
+        with record_function("step: anchoring stage"):
+            batch = stage.process(images, labels)
+        with record_function("step: training step"):
+            setup.step(batch)
+
+
+def profile_path(result_json, case_name: str):
+    """Where the profile of `case_name` goes: beside the result, the case's name made file-safe."""
+    return result_json.with_name(f"{result_json.stem}-profile-{re.sub(r'[^A-Za-z0-9._-]+', '-', case_name)}.txt")
+
+
 @dataclass(frozen=True)
 class StepPlan:
     models: list[tuple[str, int]]
@@ -141,39 +161,54 @@ def model_cases(options: StepOptions, device: torch.device, name: str, size: int
     batches = synthetic_batches(2, batch_size, size, options.num_classes, device, options.seed)
     info = dict(model=name, image_size=size, batch_size=batch_size, steps_per_repetition=steps,
                 input_dtype=str(anchored.input_dtype).replace("torch.", ""))
-    cases = [
-        step_case(f"{label} standard", standard, standard.stage(0.0, options.seed, batches[0][0]), batches, steps, **info),
-        step_case(f"{label} anchored", anchored, anchored.stage(0.0, options.seed, batches[0][0]), batches, steps, **info),
-        step_case(f"{label} anchored+masked", anchored, anchored.stage(1.0, options.seed, batches[0][0]), batches, steps,
-                  **info),
-    ]
+    runs = [(f"{label} standard", standard, standard.stage(0.0, options.seed, batches[0][0])),
+            (f"{label} anchored", anchored, anchored.stage(0.0, options.seed, batches[0][0])),
+            (f"{label} anchored+masked", anchored, anchored.stage(1.0, options.seed, batches[0][0]))]
+    cases = [step_case(case, setup, stage, batches, steps, **info) for case, setup, stage in runs]
+    profiles = [(case, lambda setup=setup, stage=stage: profiled_steps(setup, stage, batches, options.profile_steps))
+                for case, setup, stage in runs]
     derived = [
         Derived(f"{label}: anchored/standard", f"{label} anchored", f"{label} standard",
                 meaning="anchored images/s over standard images/s (no batch masked)"),
         Derived(f"{label}: anchored+masked/standard", f"{label} anchored+masked", f"{label} standard",
                 meaning="anchored images/s over standard images/s, every batch masked"),
     ]
-    return cases, derived
+    return cases, derived, profiles
 
 
 def run_step_benchmark(options: StepOptions, command: str):
     options.validate()
     apply_threads(options)
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=options.cudnn_benchmark,
+                                    deterministic=torch.backends.cudnn.deterministic):
+        return measure_steps(options, command)
+
+
+def measure_steps(options: StepOptions, command: str):
     device = resolve_device(options.device)
     chosen = plan(options, device)
-    cases, derived = [], []
+    cases, derived, profiles = [], [], []
     for name, size in chosen.models:
-        more_cases, more_derived = model_cases(options, device, name, size, chosen.batch_size, chosen.steps, chosen.config)
+        more_cases, more_derived, more_profiles = model_cases(options, device, name, size, chosen.batch_size, chosen.steps,
+                                                              chosen.config)
         cases += more_cases
         derived += more_derived
+        profiles += more_profiles
     notes = [f"synthetic uint8 batches on the device, batch {chosen.batch_size}, {chosen.steps} steps per repetition; "
              f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; built by trainer/build.py (build_model, make_optimizer, make_step, make_stage) from "
              f"{'the recipe' if options.recipe else 'the default config'}, learning rate {BENCH_LR}"]
+    if options.cudnn_benchmark:
+        notes.append("cuDNN benchmark on (torch.backends.cudnn.benchmark: convolution algorithms autotuned per shape)")
     if options.recipe:
         options.tag = options.tag or options.recipe_tag()
         notes.append(f"recipe {options.recipe}: its model at its first-epoch training resolution; the figures stand for "
                      f"{', '.join(chosen.recipes)}")
-    return run_and_write("step", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                         config_extra={"recipes": chosen.recipes,
-                                       "resolved": {"models": [f"{n}@{s}" for n, s in chosen.models],
-                                                    "batch_size": chosen.batch_size, "steps": chosen.steps}})
+    result, paths = run_and_write("step", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
+                                  config_extra={"recipes": chosen.recipes,
+                                                "resolved": {"models": [f"{n}@{s}" for n, s in chosen.models],
+                                                             "batch_size": chosen.batch_size, "steps": chosen.steps}})
+    if options.profile_steps:
+        for case, run in profiles:
+            path = write_profile(run, device, profile_path(paths["json"], case), rows=50)
+            print(f"profile ({options.profile_steps} steps of {case}, torch.profiler): {path}")
+    return result, paths

@@ -191,6 +191,23 @@ def test_step_benchmark(results):
     assert ratio["value"] == pytest.approx(found[f"{label} anchored"]["median"] / found[f"{label} standard"]["median"])
 
 
+def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
+    """--profile-steps: one torch.profiler table per case, the stage and the step as ranges; only the anchored cases
+    run the anchoring op, and the process's cuDNN setting is what it was (--cudnn-benchmark is the run's alone)."""
+    before = torch.backends.cudnn.benchmark
+    bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1, "--num-classes", 4,
+          "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
+    assert torch.backends.cudnn.benchmark == before
+    tables = {kind: (tmp_path / f"step-cpu-profile-fastanchor_resnet_tiny-16-{kind}.txt").read_text()
+              for kind in ("standard", "anchored", "anchored-masked")}
+    for kind, table in tables.items():
+        rows = {line.strip().split("  ")[0]: line.split() for line in table.splitlines()}
+        assert rows["step: anchoring stage"][-1] == rows["step: training step"][-1] == "2", kind  # calls: 2 steps each
+        assert ("fastanchor::anchor" in table) == (kind != "standard"), kind
+    written = json.loads((tmp_path / "step-cpu.json").read_text())
+    assert written["config"]["profile_steps"] == 2 and written["config"]["cudnn_benchmark"] is True
+
+
 def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
     from fastanchor.cli.recipes import measured_throughput, recipes_markdown
 
