@@ -208,6 +208,18 @@ def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
     assert written["config"]["profile_steps"] == 2 and written["config"]["cudnn_benchmark"] is True
 
 
+def test_step_benchmark_compile_steps_through_the_compiled_model():
+    """`bench step --compile` hands the step a torch.compile wrapper; the step once asked it for its truth value,
+    which a compiled model without len() refuses (TypeError), so --compile never ran. Building is enough here
+    (compiling happens at the first call)."""
+    from fastanchor.benchmarks.train_step import TrainingSetup
+
+    setup = TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
+                          channels_last=False, compile=True, num_classes=4, seed=0)
+    assert isinstance(setup.step.forward, torch._dynamo.eval_frame.OptimizedModule)
+    assert setup.step.forward._orig_mod is setup.step.model
+
+
 def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
     from fastanchor.cli.recipes import measured_throughput, recipes_markdown
 

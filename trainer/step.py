@@ -35,7 +35,8 @@ class TrainStep:
                  mixer: BatchMixer | None = None, grad_clip: float = 0.0, ema_decay: float = 0.0,
                  label_smoothing: float = 0.0, masked_target: str = "uniform", unmasked_batchnorm: bool = False,
                  skip_nonfinite: bool = False, processes: Processes | None = None):
-        self.model, self.optimizer, self.forward = model, optimizer, forward or model
+        self.model, self.optimizer = model, optimizer
+        self.forward = forward if forward is not None else model  # (not `or`: a compiled module may refuse bool())
         self.device_type, self.autocast_dtype = device.type, autocast_dtype
         self.scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
         self.ema = copy.deepcopy(model).eval().requires_grad_(False) if ema_decay > 0 else None
