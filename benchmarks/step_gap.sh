@@ -7,9 +7,11 @@
 #   2. step     bench step for ResNet-18/50 at 176 px and ViT-B/16 at 224 px (bf16, channels-last, batch 256),
 #               3 repetitions, then a torch.profiler table per case (--profile-steps 3)
 #   3. cudnn    the same with --cudnn-benchmark (is the 6-channel first layer given a slow algorithm by default?)
-#   4. compile  (with --compile) ResNet-50 compiled, 2 repetitions
+#   4. stem     the first layer alone at 3, 6 and 6 + 2 zero channels, cuDNN autotuning off and on
+#               (benchmarks/first_layer.py; SwinV2-T as the control that lost nothing)
+#   5. compile  (with --compile) ResNet-50 compiled, 2 repetitions
 #
-# About 2.5 minutes on an H200 without --compile (compiling two ResNet-50s adds about 2); every stage runs
+# About 3 minutes on an H200 without --compile (compiling two ResNet-50s adds about 2); every stage runs
 # under its own limit and OUTDIR/stages.txt records its exit status. --device cpu rehearses it at tiny sizes.
 # Where fastanchor is not importable it is installed as run_gpu.sh does (carry data/wheels along).
 set -uo pipefail
@@ -50,8 +52,10 @@ stage() {  # stage NAME SECONDS COMMAND...: under a time limit; the exit status 
 
 if [[ $device == cuda ]]; then
     models=resnet18@176,resnet50@176,vit_base_patch16_224@224 batch=256 steps=10 reps=3 compiled=resnet50@176
+    stems=$models,swinv2_tiny_window8_256@256 iterations=20
 else
     models=fastanchor_resnet_tiny@32 batch=8 steps=2 reps=1 compiled=fastanchor_resnet_tiny@32
+    stems=$models iterations=2
 fi
 step=("$PYTHON" -m fastanchor.benchmarks step --device "$device" --no-progress --batch-size "$batch" --steps "$steps")
 export FASTANCHOR_TEST_DEVICE=$device
@@ -60,6 +64,8 @@ stage syncs "${LIMIT_SYNCS:-90}" "$PYTHON" -m pytest tests/test_gpu.py -k never_
 stage step "${LIMIT_STEP:-100}" "${step[@]}" --models "$models" --repetitions "$reps" --profile-steps 3 --out "$out"
 stage cudnn "${LIMIT_CUDNN:-100}" "${step[@]}" --models "$models" --repetitions "$reps" --profile-steps 3 \
     --cudnn-benchmark --tag cudnn --out "$out"
+stage stem "${LIMIT_STEM:-90}" "$PYTHON" -m fastanchor.benchmarks.first_layer --device "$device" --models "$stems" \
+    --batch-size "$batch" --iterations "$iterations"
 if [[ $compile == 1 ]]; then
     stage compile "${LIMIT_COMPILE:-240}" "${step[@]}" --models "$compiled" --repetitions 2 --compile --tag compile \
         --out "$out"

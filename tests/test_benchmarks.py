@@ -408,3 +408,24 @@ def test_house_stats_writes_its_block_between_the_markers(tmp_path):
     refused = house_stats("--top", "1", "--write", str(page))
     assert refused.returncode != 0 and "no house-stats block" in refused.stderr
     assert page.read_text() == "no markers\n"
+
+
+def test_first_layer_table_times_the_three_layers_and_the_padded_one_is_the_anchored_function():
+    from fastanchor.benchmarks import first_layer
+
+    rows = first_layer.main(["--device", "cpu", "--models", "fastanchor_resnet_tiny@16", "--batch-size", "2",
+                             "--iterations", "1"])
+    assert [r["cudnn_benchmark"] for r in rows] == [False, True]
+    assert all(r[f"ms_{c}"] > 0 for r in rows for c in first_layer.CHANNELS)
+    # 6 channels + 2 zero channels with a zero-padded weight: the 6-channel layer's output and weight gradient
+    conv6, w6 = first_layer.first_layer("fastanchor_resnet_tiny", 16, 6)
+    conv8, w8 = first_layer.first_layer("fastanchor_resnet_tiny", 16, 8)
+    assert torch.equal(w8[:, :6], w6) and not w8[:, 6:].any()
+    x6 = first_layer.layer_input(2, 6, 16, torch.float64, torch.device("cpu"), torch.Generator().manual_seed(1))
+    x8 = torch.nn.functional.pad(x6, (0, 0, 0, 0, 0, 2))
+    w6, w8 = w6.double().requires_grad_(), w8.double().requires_grad_()
+    g6 = first_layer.forward_and_weight_grad(conv6.double(), w6, x6, None)
+    g8 = first_layer.forward_and_weight_grad(conv8.double(), w8, x8, None)
+    bias = None if conv6.bias is None else conv6.bias.double()
+    assert torch.allclose(conv8.double()._conv_forward(x8, w8, bias), conv6.double()._conv_forward(x6, w6, bias), atol=1e-12)
+    assert torch.allclose(g8[:, :6], g6, atol=1e-12) and not g8[:, 6:].any()

@@ -1,0 +1,122 @@
+"""The first layer alone: what 6 input channels cost the convolution that reads the network input.
+
+Issue 29: the anchored step of ViT-B/16 lost 4.7% (about 4.6 ms a step) on an H200 although its patch
+embedding is well under 1% of its FLOPs, so the 6-channel convolution may get a slow algorithm (6 bf16
+channels are 12 bytes a pixel: not the 8- or 16-byte alignment tensor-core kernels want). This times the
+first layer of each model, forward and weight gradient (what training runs; the input needs no gradient),
+under the benchmark's precision and layout, with
+
+    3 channels                the standard model's layer
+    6 channels                the anchored model's layer
+    6 + 2 zero channels (8)   the same function with aligned channels (the weight padded with zeros)
+
+with and without cuDNN autotuning, and prints one table (medians of `--iterations` timed calls, in ms).
+Writes nothing; benchmarks/step_gap.sh runs it beside `bench step --profile-steps`.
+
+    python -m fastanchor.benchmarks.first_layer --device cuda --models resnet50@176,vit_base_patch16_224@224
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fastanchor.benchmarks.options import GPU_STEP_MODELS, names_list, parse_model_at
+from fastanchor.trainer.models import create_model
+from fastanchor.trainer.models.surgery import find_first_layer
+
+CHANNELS = (3, 6, 8)  # standard, anchored, anchored with two zero channels
+
+
+def first_layer(name: str, size: int, channels: int) -> tuple[torch.nn.Conv2d, torch.Tensor]:
+    """The model's first layer for `channels` inputs and its weight (8: the anchored weight with two zero channels)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same initial weights for every channel count
+        _, conv = find_first_layer(create_model(name, 10, anchored=channels != 3, image_size=size))
+    weight = conv.weight.detach()
+    if channels == 8:
+        weight = F.pad(weight, (0, 0, 0, 0, 0, 2))
+    return conv, weight
+
+
+def layer_input(batch: int, channels: int, size: int, dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> torch.Tensor:
+    """A channels-last input batch; channels 6 and 7 of an 8-channel one are zeros (the padding)."""
+    x = torch.randn(batch, min(channels, 6), size, size, generator=generator)
+    if channels == 8:
+        x = F.pad(x, (0, 0, 0, 0, 0, 2))
+    return x.to(device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+
+def forward_and_weight_grad(conv: torch.nn.Conv2d, weight: torch.Tensor, x: torch.Tensor, autocast: torch.dtype | None):
+    """One training pass of the layer: forward, then the weight's gradient against a gradient of ones."""
+    with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+        out = conv._conv_forward(x, weight, conv.bias)
+    return torch.autograd.grad(out, weight, torch.ones_like(out))[0]
+
+
+def time_layer(conv, weight, x, autocast, iterations: int) -> float:
+    """Median milliseconds of one forward-and-weight-gradient call (after three untimed ones)."""
+    cuda = x.device.type == "cuda"
+    for _ in range(3):
+        forward_and_weight_grad(conv, weight, x, autocast)
+    times = []
+    for _ in range(iterations):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        forward_and_weight_grad(conv, weight, x, autocast)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def measure(models: list[tuple[str, int]], batch: int, device: torch.device, iterations: int) -> list[dict]:
+    cuda = device.type == "cuda"
+    autocast = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if cuda else None
+    dtype = autocast or torch.float32
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for name, size in models:
+        layers = {c: first_layer(name, size, c) for c in CHANNELS}
+        layers = {c: (conv.to(device=device, memory_format=torch.channels_last),
+                      weight.to(device).contiguous(memory_format=torch.channels_last).requires_grad_())
+                  for c, (conv, weight) in layers.items()}
+        inputs = {c: layer_input(batch, c, size, dtype, device, generator) for c in CHANNELS}
+        for autotune in (False, True):
+            with torch.backends.cudnn.flags(enabled=True, benchmark=autotune, deterministic=False):
+                ms = {c: time_layer(*layers[c], inputs[c], autocast, iterations) for c in CHANNELS}
+            rows.append({"model": f"{name}@{size}", "cudnn_benchmark": autotune, **{f"ms_{c}": ms[c] for c in CHANNELS}})
+    return rows
+
+
+def table(rows: list[dict], batch: int, device: torch.device) -> str:
+    lines = [f"first layer, forward + weight gradient, batch {batch}, {device.type} (median ms per call)", "",
+             "| model | cuDNN benchmark | 3 ch | 6 ch | 6 + 2 zero ch | 6 / 3 | 8 / 3 |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {'on' if r['cudnn_benchmark'] else 'off'} | {r['ms_3']:.3f} | {r['ms_6']:.3f} | "
+                     f"{r['ms_8']:.3f} | {r['ms_6'] / r['ms_3']:.2f} | {r['ms_8'] / r['ms_3']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m fastanchor.benchmarks.first_layer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda or cpu")
+    parser.add_argument("--models", default=",".join(m for m in names_list(GPU_STEP_MODELS)),
+                        help="comma-separated <model>@<size> (default: bench step's GPU models)")
+    parser.add_argument("--batch-size", type=int, default=256, help="batch size")
+    parser.add_argument("--iterations", type=int, default=20, help="timed calls per layer")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = measure([parse_model_at(m) for m in names_list(args.models)], args.batch_size, device, args.iterations)
+    print(table(rows, args.batch_size, device))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
