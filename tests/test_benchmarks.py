@@ -416,7 +416,7 @@ def test_first_layer_table_times_the_three_layers_and_the_padded_one_is_the_anch
     rows = first_layer.main(["--device", "cpu", "--models", "fastanchor_resnet_tiny@16", "--batch-size", "2",
                              "--iterations", "1"])
     assert [r["cudnn_benchmark"] for r in rows] == [False, True]
-    assert all(r[f"ms_{c}"] > 0 for r in rows for c in first_layer.CHANNELS)
+    assert all(r[f"ms_{c}"] > 0 for r in rows for c in (*first_layer.CHANNELS, first_layer.PADDED))
     # 6 channels + 2 zero channels with a zero-padded weight: the 6-channel layer's output and weight gradient
     conv6, w6 = first_layer.first_layer("fastanchor_resnet_tiny", 16, 6)
     conv8, w8 = first_layer.first_layer("fastanchor_resnet_tiny", 16, 8)
@@ -429,3 +429,7 @@ def test_first_layer_table_times_the_three_layers_and_the_padded_one_is_the_anch
     bias = None if conv6.bias is None else conv6.bias.double()
     assert torch.allclose(conv8.double()._conv_forward(x8, w8, bias), conv6.double()._conv_forward(x6, w6, bias), atol=1e-12)
     assert torch.allclose(g8[:, :6], g6, atol=1e-12) and not g8[:, 6:].any()
+    padded = first_layer.pad_to_eight(x6)  # padded inside the layer: the 6-channel weight's own gradient
+    assert torch.equal(padded, x8) and padded.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(first_layer.forward_and_weight_grad(conv6.double(), w6, x6, None, pad_in_layer=True), g6,
+                          atol=1e-12)
