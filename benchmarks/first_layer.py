@@ -105,9 +105,12 @@ def measure(models: list[tuple[str, int]], batch: int, device: torch.device, ite
                   for c, (conv, weight) in layers.items()}
         inputs = {c: layer_input(batch, c, size, dtype, device, generator) for c in CHANNELS}
         for autotune in (False, True):
-            with torch.backends.cudnn.flags(enabled=True, benchmark=autotune, deterministic=False):
+            autotuning, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, autotune
+            try:
                 ms = {c: time_layer(*layers[c], inputs[c], autocast, iterations) for c in CHANNELS}
                 ms[PADDED] = time_layer(*layers[6], inputs[6], autocast, iterations, pad_in_layer=True)
+            finally:
+                torch.backends.cudnn.benchmark = autotuning
             rows.append({"model": f"{name}@{size}", "cudnn_benchmark": autotune, **{f"ms_{c}": v for c, v in ms.items()}})
     return rows
 

@@ -179,9 +179,12 @@ def model_cases(options: StepOptions, device: torch.device, name: str, size: int
 def run_step_benchmark(options: StepOptions, command: str):
     options.validate()
     apply_threads(options)
-    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=options.cudnn_benchmark,
-                                    deterministic=torch.backends.cudnn.deterministic):
+    autotuning = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = options.cudnn_benchmark  # for this run only
+    try:
         return measure_steps(options, command)
+    finally:
+        torch.backends.cudnn.benchmark = autotuning
 
 
 def measure_steps(options: StepOptions, command: str):
