@@ -133,9 +133,9 @@ class NvjpegLoader:
             elif float_resize:  # torchvision's resize of uint8 on CUDA: float, antialiased bilinear, round, cast
                 batch[i] = upsample(crop.reshape(1, 3, height, width).to(torch.float32), [s, s], False, None)[0]
             else:
-                batch[i] = F.resize_image(crop, [s, s], antialias=True)
+                batch[i] = F.resize(crop, [s, s], antialias=True)
         if flips.any():
-            flipped = torch.from_numpy(np.flatnonzero(flips)).to(device)
+            flipped = torch.from_numpy(np.flatnonzero(flips)).to(device, non_blocking=True)  # no wait for the crops
             batch[flipped] = batch[flipped].flip(-1)
         if float_resize:
             batch.round_()
