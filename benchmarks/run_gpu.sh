@@ -10,7 +10,7 @@
 #   benchmarks/run_gpu.sh all OUTDIR           # both in one lease of about 9 minutes: the GPU test set while the
 #                                              # JPEGs are written on the CPUs, then the figures; the suite's CPU
 #                                              # tier is left out (run it on torch 2.11 off the GPU machine)
-#   benchmarks/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, about 2 minutes: the nvJPEG tests, then the
+#   benchmarks/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, 2.5 minutes: the nvJPEG tests, then the
 #                                              # per-image (nvjpeg) and pipelined (nvjpeg-pipelined) loaders side by
 #                                              # side, and e2e with each (docs/notes/nvjpeg_loader_gpu.md)
 #
