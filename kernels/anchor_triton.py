@@ -266,24 +266,29 @@ def _anchor_cl_kernel(
     a11 = tl.where(is_masked, 0.0, rn11).to(dt)
 
     # the group's output, pixel by pixel: a0 a1 a2 d0 d1 d2 | a3 a4 a5 d3 d4 d5 | a6 .. d8 | a9 .. d11,
-    # stored as rows of VEC contiguous elements (16 bytes); interleave(join(v0, v2), join(v1, v3)) = [v0 v1 v2 v3]
+    # stored as rows of VEC contiguous elements (16 bytes). join(x, y) adds a last axis [x y], so
+    # reshape(join(join(v0, v2), join(v1, v3))) = [v0 v1 v2 v3] (tl.interleave, which is jitted, would need
+    # the interpreter to be on when triton is imported)
     col = tl.arange(0, VEC)[None, :]
     row = out_base + 24 * g[:, None] + col
     keep = full[:, None]
     if VEC == 8:
-        c0 = tl.interleave(tl.interleave(tl.join(a0, d1), tl.join(a2, a3)), tl.interleave(tl.join(a1, d2), tl.join(d0, a4)))
-        c1 = tl.interleave(tl.interleave(tl.join(a5, a6), tl.join(d4, a8)), tl.interleave(tl.join(d3, a7), tl.join(d5, d6)))
-        c2 = tl.interleave(tl.interleave(tl.join(d7, a11), tl.join(a9, d10)), tl.interleave(tl.join(d8, d9), tl.join(a10, d11)))
+        c0 = tl.reshape(tl.join(tl.reshape(tl.join(tl.join(a0, d1), tl.join(a2, a3)), (GROUPS, 4)),
+                                tl.reshape(tl.join(tl.join(a1, d2), tl.join(d0, a4)), (GROUPS, 4))), (GROUPS, 8))
+        c1 = tl.reshape(tl.join(tl.reshape(tl.join(tl.join(a5, a6), tl.join(d4, a8)), (GROUPS, 4)),
+                                tl.reshape(tl.join(tl.join(d3, a7), tl.join(d5, d6)), (GROUPS, 4))), (GROUPS, 8))
+        c2 = tl.reshape(tl.join(tl.reshape(tl.join(tl.join(d7, a11), tl.join(a9, d10)), (GROUPS, 4)),
+                                tl.reshape(tl.join(tl.join(d8, d9), tl.join(a10, d11)), (GROUPS, 4))), (GROUPS, 8))
         tl.store(row, c0, mask=keep)
         tl.store(row + 8, c1, mask=keep)
         tl.store(row + 16, c2, mask=keep)
     else:
-        tl.store(row, tl.interleave(tl.join(a0, a2), tl.join(a1, d0)), mask=keep)
-        tl.store(row + 4, tl.interleave(tl.join(d1, a3), tl.join(d2, a4)), mask=keep)
-        tl.store(row + 8, tl.interleave(tl.join(a5, d4), tl.join(d3, d5)), mask=keep)
-        tl.store(row + 12, tl.interleave(tl.join(a6, a8), tl.join(a7, d6)), mask=keep)
-        tl.store(row + 16, tl.interleave(tl.join(d7, a9), tl.join(d8, a10)), mask=keep)
-        tl.store(row + 20, tl.interleave(tl.join(a11, d10), tl.join(d9, d11)), mask=keep)
+        tl.store(row, tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, d0)), (GROUPS, 4)), mask=keep)
+        tl.store(row + 4, tl.reshape(tl.join(tl.join(d1, a3), tl.join(d2, a4)), (GROUPS, 4)), mask=keep)
+        tl.store(row + 8, tl.reshape(tl.join(tl.join(a5, d4), tl.join(d3, d5)), (GROUPS, 4)), mask=keep)
+        tl.store(row + 12, tl.reshape(tl.join(tl.join(a6, a8), tl.join(a7, d6)), (GROUPS, 4)), mask=keep)
+        tl.store(row + 16, tl.reshape(tl.join(tl.join(d7, a9), tl.join(d8, a10)), (GROUPS, 4)), mask=keep)
+        tl.store(row + 20, tl.reshape(tl.join(tl.join(a11, d10), tl.join(d9, d11)), (GROUPS, 4)), mask=keep)
 
     if blk == n_blocks - 1:  # the last 0-3 pixels of the sample, one pixel a lane (byte loads, element stores)
         t = P4 * 4 + tl.arange(0, 4)

@@ -179,6 +179,36 @@ def test_op_benchmark(results):
     assert derived(result)["torch: fraction of copy bandwidth"]["value"] == pytest.approx(op["median"] / copy["median"])
 
 
+
+def test_op_benchmark_times_kernel_variants_after_checking_them(results, monkeypatch):
+    """`--paths triton:VARIANT` on the CPU under the Triton interpreter (the rehearsal of the GPU command):
+    each variant's output is compared with the torch reference before it is timed, and the check is recorded."""
+    pytest.importorskip("triton", reason="the kernel variants need triton (not importable here)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    result = bench("op", *COMMON, "--batch-size", 3, "--image-size", 12, "--iterations", 1, "--step-model", "none",
+                   "--dtype", "bfloat16", "--paths", "torch,triton,triton:strided,triton:cl,triton:cl-rcp",
+                   "--out", results)
+    found = cases(result)
+    assert found["op: triton"]["status"] == "not available"  # the default dispatch is timed on CUDA only
+    for name in ("op: triton:strided", "op: triton:cl", "op: triton:cl-rcp"):
+        check_recorded(found[name])
+        assert found[name]["within_one_ulp"] is True and found[name]["max_abs_diff"] < 0.1
+    assert found["op: torch"]["bitwise_equal_to_torch"] is True
+    assert derived(result)["triton:cl: fraction of copy bandwidth"]["status"] == "ok"
+
+
+def test_reference_check_counts_ulps():
+    from fastanchor.benchmarks.anchor_op import check_against_reference
+
+    want = torch.tensor([1.0, -2.0, 0.0, 300.0]).to(torch.bfloat16)
+    one_ulp = torch.tensor([1.0078125, -2.0, 0.0, 300.0]).to(torch.bfloat16)  # bfloat16 steps by 2**-7 above 1
+    assert check_against_reference(want, want, torch.bfloat16) == {
+        "bitwise_equal_to_torch": True, "max_abs_diff": 0.0, "within_one_ulp": True}
+    assert check_against_reference(one_ulp, want, torch.bfloat16)["within_one_ulp"] is True
+    two_ulps = torch.tensor([1.015625, -2.0, 0.0, 300.0]).to(torch.bfloat16)
+    check = check_against_reference(two_ulps, want, torch.bfloat16)
+    assert check["within_one_ulp"] is False and check["max_abs_diff"] == 0.015625
+
 def test_step_benchmark(results):
     result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1,
                    "--num-classes", 4, "--out", results)
