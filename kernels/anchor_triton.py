@@ -19,6 +19,12 @@ caller never reading a slot it writes: `ReferenceBank` keeps `capacity + batch` 
 references only from the `capacity` slots behind its cursor, while the batch goes to the slots
 ahead of it, so the two sets are disjoint by construction (see pipeline/references.py).
 
+Variants (`variant=`, VARIANTS): "strided" is the kernel above (the default). The "cl" variants are a
+channels-last fast path (`_anchor_cl_kernel`) for the layout training uses, every tensor dense per sample:
+groups of 4 pixels read as 3 int32 words and written as 16-byte stores assembled in registers, with no
+layout conversion through shared memory; "cl-rcp" also divides through an exactly checked reciprocal.
+Other layouts take the strided kernel whatever the variant. Why and how fast: docs/notes/anchor_op_gpu.md.
+
 Importing this module never fails: without triton, `anchor_triton_available()` is False. The
 kernel is wrapped by `triton.jit` on first use (not at import), so TRITON_INTERPRET set by a test
 after the package was imported still selects the interpreter (then CPU tensors work).

@@ -209,6 +209,27 @@ def test_reference_check_counts_ulps():
     check = check_against_reference(two_ulps, want, torch.bfloat16)
     assert check["within_one_ulp"] is False and check["max_abs_diff"] == 0.015625
 
+
+def test_fast_path_compiles_without_spills_or_shared_memory_to_16_byte_stores(monkeypatch):
+    """The op's channels-last variants compiled for sm_90 (no GPU needed): no register spills, no layout
+    conversion through shared memory, 16-byte stores, and cl-rcp without the division's FCHK/MUFU; the
+    strided kernel, for contrast, has all three (docs/notes/anchor_op_gpu.md)."""
+    pytest.importorskip("triton", reason="compiling the kernel needs triton (not importable here)")
+    from fastanchor.benchmarks.op_sass import compiled_variant, sass_counts, summary
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    found = {}
+    for variant in ("strided", "cl", "cl-rcp"):
+        _, grid, sass = compiled_variant(variant)
+        found[variant] = summary(sass_counts(sass))
+        assert grid == (256 * 31,)  # 1,024 pixels a program at 176 px (the last one a quarter full)
+    for variant in ("cl", "cl-rcp"):
+        assert found[variant]["spills (LDL/STL)"] == found[variant]["shared (LDS/STS)"] == found[variant]["barriers"] == 0
+        assert found[variant]["stores"].get("STG.E.128", 0) > 0
+    assert found["cl-rcp"]["FCHK"] == 0 and found["cl"]["FCHK"] > 0
+    assert found["strided"]["spills (LDL/STL)"] > 0 and found["strided"]["barriers"] > 0
+    assert "STG.E.128" not in found["strided"]["stores"]
+
 def test_step_benchmark(results):
     result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1,
                    "--num-classes", 4, "--out", results)
