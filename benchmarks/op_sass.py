@@ -4,8 +4,8 @@
 VARIANTS) for an sm_90 GPU (H100/H200) at the op benchmark's setting (batch 256, 176 px, bf16,
 channels-last, in-batch references), through a stub driver, so it runs on a CPU-only machine with
 triton's bundled ptxas and cuobjdump, and prints per variant its SASS instruction counts: global
-loads and stores by width, local-memory spills, shared memory and barriers, divisions (MUFU.RCP,
-FCHK) and int -> float conversions. docs/notes/anchor_op_gpu.md reads these numbers. The counts are
+loads and stores by width, registers, local-memory spills, shared memory and barriers, divisions
+(MUFU.RCP, FCHK) and int -> float conversions. docs/notes/anchor_op_gpu.md reads these numbers. The counts are
 static (every instruction once, slow paths included) and depend on the triton version installed.
 """
 
@@ -15,7 +15,9 @@ import collections
 import importlib
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -65,6 +67,19 @@ def compiled_variant(variant: str, batch: int = 256, size: int = 176, dtype: tor
     return compiled["kernel"], compiled["grid"], triton.tools.disasm.get_sass(compiled["kernel"].asm["cubin"])
 
 
+def resource_usage(kernel) -> dict:
+    """Registers per thread and stack (local memory) bytes per thread of a compiled kernel, by cuobjdump."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", text))
+    return {"registers": int(found["REG"]), "stack bytes": int(found["STACK"])}
+
+
 def sass_counts(sass: str) -> collections.Counter:
     counts = collections.Counter()
     for line in sass.splitlines():
@@ -91,7 +106,7 @@ def main(argv: list[str]) -> None:
     for variant in argv or [v for v in module.VARIANTS if v != "auto"]:
         kernel, grid, sass = compiled_variant(variant)
         print(f"{variant}: grid {grid}, {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared memory, "
-              f"per thread: {summary(sass_counts(sass))}")
+              f"per thread: {resource_usage(kernel)}, {summary(sass_counts(sass))}")
 
 
 if __name__ == "__main__":

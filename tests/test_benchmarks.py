@@ -215,17 +215,18 @@ def test_fast_path_compiles_without_spills_or_shared_memory_to_16_byte_stores(mo
     conversion through shared memory, 16-byte stores, and cl-rcp without the division's FCHK/MUFU; the
     strided kernel, for contrast, has all three (docs/notes/anchor_op_gpu.md)."""
     pytest.importorskip("triton", reason="compiling the kernel needs triton (not importable here)")
-    from fastanchor.benchmarks.op_sass import compiled_variant, sass_counts, summary
+    from fastanchor.benchmarks.op_sass import compiled_variant, resource_usage, sass_counts, summary
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     found = {}
     for variant in ("strided", "cl", "cl-rcp"):
-        _, grid, sass = compiled_variant(variant)
-        found[variant] = summary(sass_counts(sass))
+        kernel, grid, sass = compiled_variant(variant)
+        found[variant] = {**summary(sass_counts(sass)), **resource_usage(kernel)}
         assert grid == (256 * 31,)  # 1,024 pixels a program at 176 px (the last one a quarter full)
     for variant in ("cl", "cl-rcp"):
         assert found[variant]["spills (LDL/STL)"] == found[variant]["shared (LDS/STS)"] == found[variant]["barriers"] == 0
         assert found[variant]["stores"].get("STG.E.128", 0) > 0
+        assert found[variant]["stack bytes"] == 0 and found[variant]["registers"] <= 128  # >= 4 programs an SM
     assert found["cl-rcp"]["FCHK"] == 0 and found["cl"]["FCHK"] > 0
     assert found["strided"]["spills (LDL/STL)"] > 0 and found["strided"]["barriers"] > 0
     assert "STG.E.128" not in found["strided"]["stores"]
