@@ -135,7 +135,6 @@ def _anchor_kernel(
     tl.store(out_ptr + out_off, val.to(out_ptr.dtype.element_ty), mask=inside[:, None] & (j < 6))
 
 
-
 def _normalise_fn(v, mean, std, rstd, RCP: tl.constexpr):
     """(v - mean) / std in float32 for uint8 or int32 `v` in [0, 255], rounded once as IEEE division.
 
@@ -209,14 +208,30 @@ def _anchor_cl_kernel(
     else:
         xq = x_base + 12 * g
         rq = r_base + 12 * g
-        x0, x1, x2 = tl.load(xq, mask=full, other=0), tl.load(xq + 1, mask=full, other=0), tl.load(xq + 2, mask=full, other=0)
-        x3, x4, x5 = tl.load(xq + 3, mask=full, other=0), tl.load(xq + 4, mask=full, other=0), tl.load(xq + 5, mask=full, other=0)
-        x6, x7, x8 = tl.load(xq + 6, mask=full, other=0), tl.load(xq + 7, mask=full, other=0), tl.load(xq + 8, mask=full, other=0)
-        x9, x10, x11 = tl.load(xq + 9, mask=full, other=0), tl.load(xq + 10, mask=full, other=0), tl.load(xq + 11, mask=full, other=0)
-        r0, r1, r2 = tl.load(rq, mask=full, other=0), tl.load(rq + 1, mask=full, other=0), tl.load(rq + 2, mask=full, other=0)
-        r3, r4, r5 = tl.load(rq + 3, mask=full, other=0), tl.load(rq + 4, mask=full, other=0), tl.load(rq + 5, mask=full, other=0)
-        r6, r7, r8 = tl.load(rq + 6, mask=full, other=0), tl.load(rq + 7, mask=full, other=0), tl.load(rq + 8, mask=full, other=0)
-        r9, r10, r11 = tl.load(rq + 9, mask=full, other=0), tl.load(rq + 10, mask=full, other=0), tl.load(rq + 11, mask=full, other=0)
+        x0 = tl.load(xq, mask=full, other=0)
+        x1 = tl.load(xq + 1, mask=full, other=0)
+        x2 = tl.load(xq + 2, mask=full, other=0)
+        x3 = tl.load(xq + 3, mask=full, other=0)
+        x4 = tl.load(xq + 4, mask=full, other=0)
+        x5 = tl.load(xq + 5, mask=full, other=0)
+        x6 = tl.load(xq + 6, mask=full, other=0)
+        x7 = tl.load(xq + 7, mask=full, other=0)
+        x8 = tl.load(xq + 8, mask=full, other=0)
+        x9 = tl.load(xq + 9, mask=full, other=0)
+        x10 = tl.load(xq + 10, mask=full, other=0)
+        x11 = tl.load(xq + 11, mask=full, other=0)
+        r0 = tl.load(rq, mask=full, other=0)
+        r1 = tl.load(rq + 1, mask=full, other=0)
+        r2 = tl.load(rq + 2, mask=full, other=0)
+        r3 = tl.load(rq + 3, mask=full, other=0)
+        r4 = tl.load(rq + 4, mask=full, other=0)
+        r5 = tl.load(rq + 5, mask=full, other=0)
+        r6 = tl.load(rq + 6, mask=full, other=0)
+        r7 = tl.load(rq + 7, mask=full, other=0)
+        r8 = tl.load(rq + 8, mask=full, other=0)
+        r9 = tl.load(rq + 9, mask=full, other=0)
+        r10 = tl.load(rq + 10, mask=full, other=0)
+        r11 = tl.load(rq + 11, mask=full, other=0)
         if HAS_BANK:
             bq = bank_base + 12 * g
             tl.store(bq, x0, mask=full)
@@ -361,7 +376,8 @@ def _reciprocal_is_exact(mean3: tuple, std3: tuple) -> tuple | None:
 def _round_to_float32(value: Fraction) -> float:
     """`value` rounded to the nearest float32, ties to even (exactly: no double rounding via float64)."""
     guess = torch.tensor(float(value), dtype=torch.float32)
-    candidates = [guess, torch.nextafter(guess, torch.tensor(float("inf"))), torch.nextafter(guess, torch.tensor(float("-inf")))]
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    candidates = [guess, torch.nextafter(guess, up), torch.nextafter(guess, down)]
     best = min(candidates, key=lambda c: (abs(Fraction(c.item()) - value), c.view(torch.int32).item() & 1))
     return best.item()
 
@@ -389,6 +405,8 @@ def kernel_plan(images, references, out, bank=None, variant: str | None = None) 
     if not (all(_dense_channels_last(t, 3) for t in uint8) and _dense_channels_last(out, 6)):
         return "strided"
     _, _, h, w = images.shape
+    if 6 * h * w >= 2**31:  # offsets within a sample are int32 in the fast path
+        return "strided"
     return "cl-words" if (h * w) % 4 == 0 and all(_word_aligned(t) for t in uint8) else "cl"
 
 
