@@ -373,6 +373,23 @@ def _reciprocal_is_exact(mean3: tuple, std3: tuple) -> tuple | None:
     return tuple(reciprocals)
 
 
+def _fma_probe(values_ptr):
+    a = tl.load(values_ptr)
+    c = tl.load(values_ptr + 1)
+    tl.store(values_ptr + 2, tl.fma(a, a, c))
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_fma_rounds_once() -> bool:
+    """Whether the Triton interpreter's fma is fused (triton 3.9's is; 3.6's multiplies and adds, rounding
+    twice). Where it is not, the interpreter runs cl-rcp with IEEE division instead: the RCP path is only
+    exact with a real fma, which every GPU has."""
+    a = 1.0 + 2.0**-12  # a * a = 1 + 2**-11 + 2**-24: the last term is lost when the product is rounded first
+    values = torch.tensor([a, -(1.0 + 2.0**-11), 0.0], dtype=torch.float32)
+    _kernel(_fma_probe)[(1,)](values)
+    return values[2].item() == 2.0**-24
+
+
 def _round_to_float32(value: Fraction) -> float:
     """`value` rounded to the nearest float32, ties to even (exactly: no double rounding via float64)."""
     guess = torch.tensor(float(value), dtype=torch.float32)
@@ -484,7 +501,7 @@ def anchor_triton(
         variant = variant or DEFAULT_VARIANT
         groups, num_warps, rcp = CL_VARIANTS["cl" if variant == "auto" else variant]
         rstd3 = _reciprocal_is_exact(tuple(mean3), tuple(std3)) if rcp else None
-        rcp = rstd3 is not None
+        rcp = rstd3 is not None and (not _interpreting() or _interpreter_fma_rounds_once())
         rstd3 = rstd3 or (1.0, 1.0, 1.0)  # unread without RCP
         pixels = H * W
         n_blocks = max(1, triton.cdiv(pixels // 4, groups))  # at least one: it also writes the 0-3 tail pixels
