@@ -118,12 +118,15 @@ def _from_registry(name: str, library: str) -> Callable[[LoaderRequest], Iterabl
     return make
 
 
-def _nvjpeg(request: LoaderRequest):
-    if request.device.type != "cuda":
-        raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
-    from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
+def _nvjpeg(pipelined: bool) -> Callable[[LoaderRequest], Iterable]:
+    def make(request: LoaderRequest):
+        if request.device.type != "cuda":
+            raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
+        from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
 
-    return NvjpegLoader(request.index, loader_spec(request))
+        return NvjpegLoader(request.index, loader_spec(request), pipelined=pipelined)
+
+    return make
 
 
 register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _from_registry("ffcv", "FFCV"),
@@ -133,7 +136,9 @@ register_loader(LoaderEntry("torchvision", "torch DataLoader over the ImageFolde
 register_loader(LoaderEntry("dali", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",
                             _from_registry("dali", "DALI"), "files", lambda d: d.type != "cuda"))
 register_loader(LoaderEntry("nvjpeg", "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)",
-                            _nvjpeg, "files", lambda d: False))
+                            _nvjpeg(pipelined=False), "files", lambda d: False))
+register_loader(LoaderEntry("nvjpeg-pipelined", "nvjpeg's decode and crops, prepared 2 batches ahead on a thread and "
+                            "CUDA stream of their own", _nvjpeg(pipelined=True), "files", lambda d: False))
 
 
 # --------------------------------------------------------------------------------------------

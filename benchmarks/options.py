@@ -13,7 +13,8 @@ from fastanchor.errors import ConfigError
 from fastanchor.trainer.config import option
 from fastanchor.trainer.flags import Checked, OnDevice, Recipe
 
-LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg")  # the built-in entries of benchmarks.loaders.LOADERS
+# the built-in entries of benchmarks.loaders.LOADERS
+LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg", "nvjpeg-pipelined")
 # "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
 OP_PATHS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
             "triton:cl-rcp", "numba")
@@ -226,7 +227,7 @@ them: its data.loader, crop, flip and policy, its model at its first-epoch resol
 augmentations, mixing, masking (anchor.alpha and mask_level) and precision (--loader, --model, --batch-size and
 --alpha still choose where given)."""
 
-    loader: str = option("", "the loader feeding the step: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
+    loader: str = option("", "loader: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
     model: str = option("", "<model>@<size> trained (default: fastanchor_resnet_tiny@64 on CPU, resnet50@176 on CUDA)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     alpha: float = option(-1.0, "reference-masking probability of the anchored runs (-1: the recipe's, else 0.2)")

@@ -12,6 +12,9 @@
 #                                              # tier is left out (run it on torch 2.11 off the GPU machine)
 #   benchmarks/run_gpu.sh op OUTDIR            # the op's Triton kernel variants side by side, each checked against
 #                                              # the torch reference first (under a minute; docs/notes/anchor_op_gpu.md)
+#   benchmarks/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, 2.5 minutes: the nvJPEG tests, then the
+#                                              # per-image (nvjpeg) and pipelined (nvjpeg-pipelined) loaders side by
+#                                              # side, and e2e with each (docs/notes/nvjpeg_loader_gpu.md)
 #
 # Options: --device cpu rehearses either part on the CPU at tiny sizes (the GPU test set with
 # FASTANCHOR_TEST_DEVICE=cpu); --pack leaves only OUTDIR/<part>.log and OUTDIR/<part>.tar.gz (a lent
@@ -37,8 +40,9 @@ for arg in "$@"; do
         *) [[ $device == next ]] && device=$arg || { echo "run_gpu.sh: unknown option $arg" >&2; exit 2; } ;;
     esac
 done
-if [[ $part != correctness && $part != figures && $part != all && $part != op || -z $out || ($device != cuda && $device != cpu) ]]; then
-    echo "usage: benchmarks/run_gpu.sh correctness|figures|all|op OUTDIR [--device cuda|cpu] [--pack]" >&2
+if [[ $part != correctness && $part != figures && $part != all && $part != nvjpeg && $part != op || -z $out ||
+      ($device != cuda && $device != cpu) ]]; then
+    echo "usage: benchmarks/run_gpu.sh correctness|figures|all|nvjpeg|op OUTDIR [--device cuda|cpu] [--pack]" >&2
     exit 2
 fi
 mkdir -p "$out/$part" && out=$(cd "$out" && pwd) || exit 2
@@ -112,6 +116,24 @@ if [[ $part == op ]]; then  # on the CPU the variants run under the Triton inter
     stage op-variants "${LIMIT_OP:-60}" "${bench[@]}" op "${common[@]}" --batch-size "$batch" --image-size "$size" \
         --dtype bfloat16 --step-model none --tag variants "${op_extra[@]}" \
         --paths torch,triton,triton:strided,triton:cl,triton:cl-small,triton:cl-big,triton:cl-rcp
+    exit 0
+fi
+
+if [[ $part == nvjpeg ]]; then  # the two nvJPEG paths: same batches (the tests), then images/s side by side
+    write_data
+    per_test=()  # pytest-timeout where the machine's Python has it (data/wheels does not bring it)
+    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT:-60}")
+    stage nvj-tests "${LIMIT_NVJPEG_TESTS:-60}" "$PYTHON" -m pytest tests/test_gpu.py -k nvjpeg -p no:cacheprovider -v \
+        --tb=short -ra "${per_test[@]}" --junitxml="$raw/nvjpeg-tests.xml"
+    common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress --data "$data/train" "${images[@]}"
+            --batch-size "$batch")
+    stage nvj-loaders "${LIMIT_LOADER:-60}" "${bench[@]}" loader "${common[@]}" --loaders nvjpeg,nvjpeg-pipelined \
+        --image-size "$size" --tag nvjpeg
+    # the new path first (its profile written after its figures), then the old one again on this machine
+    stage nvj-e2e-new "${LIMIT_E2E:-80}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg-pipelined \
+        --model "$model@$size" --no-naive --profile-batches "$profile" --tag nvjpeg-pipelined
+    stage nvj-e2e-old "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg --model "$model@$size" \
+        --no-naive --tag nvjpeg-per-image
     exit 0
 fi
 

@@ -134,8 +134,8 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--batch-size", 4,
-                   "--image-size", 32, "--workers", 2, "--warmup-batches", 1, "--loaders", "ffcv,torchvision,dali,nvjpeg",
-                   "--ffcv-cache", tmp_path, "--out", results)
+                   "--image-size", 32, "--workers", 2, "--warmup-batches", 1,
+                   "--loaders", "ffcv,torchvision,dali,nvjpeg,nvjpeg-pipelined", "--ffcv-cache", tmp_path, "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
     assert "torch" in result["environment"]["libraries"] and result["config"]["dataset"]["images"] == 32
@@ -143,6 +143,7 @@ def test_loader_benchmark(tiny_dataset, results, tmp_path):
                  "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
     assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
+    assert found["nvjpeg-pipelined"]["status"] == "not available" and "CUDA" in found["nvjpeg-pipelined"]["reason"]
     assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
     # every epoch: 8 batches of 4, one untimed -> 28 images per repetition
     assert [r["items"] for r in found["ffcv"]["repetitions"]] == [28, 28]
@@ -290,7 +291,8 @@ def test_end_to_end_benchmark_of_a_recipe(tiny_dataset, tmp_path):
     assert [path.name for path in tmp_path.glob("e2e-*.json")] == ["e2e-cpu-small_demo.json"]  # tagged by the recipe
 
 
-def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path, pipelined):
     from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
 
     colours = {"a": (200, 30, 40), "b": (20, 180, 60), "c": (40, 50, 220)}
@@ -300,7 +302,7 @@ def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path):
             Image.new("RGB", size, colour).save(tmp_path / name / f"{i}.jpg", quality=100)
     index = scan_image_folder(tmp_path)
     loader = NvjpegLoader(index, LoaderSpec(batch_size=4, train=True, image_size=24, min_scale=0.35, workers=0,
-                                           device="cpu", drop_last=False))
+                                           device="cpu", drop_last=False), pipelined=pipelined)
     seen = []
     for images, labels in loader:
         assert images.dtype == torch.uint8 and images.shape[1:] == (3, 24, 24)
