@@ -11,7 +11,9 @@ per call by the time of one anchored training step at the same batch, size and d
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 import time
 from typing import Callable
 
@@ -38,16 +40,22 @@ class PathUnavailable(Exception):
     pass
 
 
-def op_function(path: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """The implementation `path` with anchor_torch's signature; PathUnavailable says why not here."""
+def op_function(path: str, device: torch.device, dtype: torch.dtype, interpreter: bool = False) -> Callable:
+    """The implementation `path` with anchor_torch's signature; PathUnavailable says why not here.
+    `interpreter`: "triton:VARIANT" paths also run on the CPU under TRITON_INTERPRET=1, to rehearse a GPU
+    command (slow: never a figure); "triton" stays CUDA-only."""
     if path == "torch":
         return anchor_torch
-    if path == "triton":
+    if path == "triton" or path.startswith("triton:"):
         from fastanchor.kernels.anchor_triton import anchor_triton, anchor_triton_available
 
-        if device.type != "cuda" or not anchor_triton_available():
+        variant = path.partition(":")[2] or None
+        rehearsal = variant is not None and interpreter  # a named variant on the CPU under the interpreter
+        if device.type != "cuda" and not (rehearsal and anchor_triton_available()):
             raise PathUnavailable("Triton runs on CUDA devices only (its CPU interpreter is a test tool, not a fast path)")
-        return anchor_triton
+        if device.type == "cuda" and not anchor_triton_available():
+            raise PathUnavailable("triton is not importable here")
+        return functools.partial(anchor_triton, variant=variant) if variant else anchor_triton
     if path == "numba":
         try:
             module = importlib.import_module("fastanchor.kernels.anchor_numba")
@@ -59,6 +67,16 @@ def op_function(path: str, device: torch.device, dtype: torch.dtype) -> Callable
             raise PathUnavailable("the numba loop writes float32 on the CPU only")
         return module.anchor_numba
     raise ValueError(f"unknown op path {path!r}")
+
+
+def check_against_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict:
+    """How one call's output compares with the torch reference's: bitwise equal, largest difference, and
+    whether every element is within one ulp of `dtype` (the tolerance of tests/test_anchor_triton.py)."""
+    got, want = got.float(), want.float()
+    difference = (got - want).abs()
+    tolerance = torch.finfo(dtype).eps * want.abs() + torch.finfo(dtype).smallest_normal
+    return {"bitwise_equal_to_torch": bool(torch.equal(got, want)), "max_abs_diff": float(difference.max()),
+            "within_one_ulp": bool((difference <= tolerance).all())}
 
 
 def timed_calls(call: Callable[[], object], iterations: int, device: torch.device, items_per_call: float) -> Measurement:
@@ -99,10 +117,12 @@ def run_op_benchmark(options: OpOptions, command: str):
                                                                  2 * source.numel()),
                   scale=1e-9, info={"kind": "limit", "bytes_per_call": 2 * source.numel()})]
     derived = []
+    interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    want = anchor_torch(images, images, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype, reference_index=index)
     for path in names_list(options.paths):
         name = f"op: {path}"
         try:
-            function = op_function(path, device, dtype)
+            function = op_function(path, device, dtype, interpreter)
         except PathUnavailable as reason:
             cases.append(not_available(name, UNIT, str(reason)))
             continue
@@ -110,8 +130,13 @@ def run_op_benchmark(options: OpOptions, command: str):
         def call(function=function):
             return function(images, images, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype, reference_index=index)
 
+        check = check_against_reference(call(), want, dtype)
+        if not check["within_one_ulp"]:
+            cases.append(not_available(name, UNIT, f"differs from the torch reference by {check['max_abs_diff']:.3g} "
+                                                   f"(more than one ulp of {dtype}): not timed", **check))
+            continue
         cases.append(Case(name, UNIT, lambda call=call: timed_calls(call, iterations, device, per_call), scale=1e-9,
-                          info={"bytes_per_call": per_call, "iterations": iterations}))
+                          info={"bytes_per_call": per_call, "iterations": iterations, **check}))
         derived.append(Derived(f"{path}: fraction of copy bandwidth", name, "copy (same bytes)",
                                meaning=f"{path} op GB/s over copy GB/s"))
     if step_model != "none":

@@ -15,7 +15,9 @@ from fastanchor.trainer.flags import Checked, OnDevice, Recipe
 
 # the built-in entries of benchmarks.loaders.LOADERS
 LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg", "nvjpeg-pipelined")
-OP_PATHS = ("torch", "triton", "numba")
+# "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
+OP_PATHS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
+            "triton:cl-rcp", "numba")
 GPU_STEP_MODELS = "resnet18@176,resnet50@176,vit_base_patch16_224@224,swinv2_tiny_window8_256@256"
 CPU_STEP_MODELS = "fastanchor_resnet_tiny@64,resnet18@64"
 
@@ -178,7 +180,8 @@ class LoaderOptions(ImageDataOptions):
 
 @dataclass
 class OpOptions(SyntheticOptions):
-    paths: str = option("torch,triton,numba", "comma-separated implementations of the op: " + ", ".join(OP_PATHS))
+    paths: str = option("torch,triton,numba", "comma-separated implementations of the op: torch, triton, "
+                                                       "triton:VARIANT (docs/benchmarks.md), numba")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     image_size: int = option(0, "image side in pixels (0: 112 on CPU, 176 on CUDA)")
     dtype: str = option("auto", "output dtype: auto (bf16 on CUDA with amp, float32 on CPU), float32, bfloat16, float16",

@@ -10,6 +10,8 @@
 #   benchmarks/run_gpu.sh all OUTDIR           # both in one lease of about 9 minutes: the GPU test set while the
 #                                              # JPEGs are written on the CPUs, then the figures; the suite's CPU
 #                                              # tier is left out (run it on torch 2.11 off the GPU machine)
+#   benchmarks/run_gpu.sh op OUTDIR            # the op's Triton kernel variants side by side, each checked against
+#                                              # the torch reference first (under a minute; docs/notes/anchor_op_gpu.md)
 #   benchmarks/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, 2.5 minutes: the nvJPEG tests, then the
 #                                              # per-image (nvjpeg) and pipelined (nvjpeg-pipelined) loaders side by
 #                                              # side, and e2e with each (docs/notes/nvjpeg_loader_gpu.md)
@@ -18,7 +20,7 @@
 # FASTANCHOR_TEST_DEVICE=cpu); --pack leaves only OUTDIR/<part>.log and OUTDIR/<part>.tar.gz (a lent
 # machine returns at most 8 files). Every stage runs under its own time limit (LIMIT_<STAGE> seconds), so
 # a stuck stage costs its limit, not the run; OUTDIR/<part>/stages.txt records each stage's exit status, and
-with --pack the archive is rewritten after every stage, so a run cut short still returns what it finished.
+# with --pack the archive is rewritten after every stage, so a run cut short still returns what it finished.
 #
 # Where fastanchor is not installed (a bare GPU machine, no network), it is installed into the machine's
 # Python (PYTHON, default .venv/bin/python or python3) with FFCV and the test dependencies from WHEELS
@@ -38,9 +40,9 @@ for arg in "$@"; do
         *) [[ $device == next ]] && device=$arg || { echo "run_gpu.sh: unknown option $arg" >&2; exit 2; } ;;
     esac
 done
-if [[ $part != correctness && $part != figures && $part != all && $part != nvjpeg || -z $out ||
+if [[ $part != correctness && $part != figures && $part != all && $part != nvjpeg && $part != op || -z $out ||
       ($device != cuda && $device != cpu) ]]; then
-    echo "usage: benchmarks/run_gpu.sh correctness|figures|all|nvjpeg OUTDIR [--device cuda|cpu] [--pack]" >&2
+    echo "usage: benchmarks/run_gpu.sh correctness|figures|all|nvjpeg|op OUTDIR [--device cuda|cpu] [--pack]" >&2
     exit 2
 fi
 mkdir -p "$out/$part" && out=$(cd "$out" && pwd) || exit 2
@@ -108,6 +110,15 @@ write_data() {
     stage data "${LIMIT_DATA:-80}" "${bench[@]}" data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress
 }
 
+common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress)  # the headline figures first, the loaders last
+if [[ $part == op ]]; then  # on the CPU the variants run under the Triton interpreter (a rehearsal, not a figure)
+    [[ $device == cpu ]] && export TRITON_INTERPRET=1
+    stage op-variants "${LIMIT_OP:-60}" "${bench[@]}" op "${common[@]}" --batch-size "$batch" --image-size "$size" \
+        --dtype bfloat16 --step-model none --tag variants "${op_extra[@]}" \
+        --paths torch,triton,triton:strided,triton:cl,triton:cl-small,triton:cl-big,triton:cl-rcp
+    exit 0
+fi
+
 if [[ $part == nvjpeg ]]; then  # the two nvJPEG paths: same batches (the tests), then images/s side by side
     write_data
     per_test=()  # pytest-timeout where the machine's Python has it (data/wheels does not bring it)
@@ -145,7 +156,6 @@ else
     write_data
 fi
 
-common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress)  # the headline figures first, the loaders last
 stage op "${LIMIT_OP:-50}" "${bench[@]}" op "${common[@]}" --batch-size "$batch" --image-size "$size" --dtype bfloat16 \
     --step-model "$model" "${op_extra[@]}"
 stage step "${LIMIT_STEP:-120}" "${bench[@]}" step "${common[@]}" --batch-size "$batch" --models "$step_models" "${step_extra[@]}"

@@ -307,3 +307,108 @@ def test_bank_write_rejects_races_and_bad_slots():
         with pytest.raises(ValueError, match="expected uint8"):
             op(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, reference_index=index,
                bank=bank[:, :, :2], bank_slots=slots)
+
+
+# --- the channels-last fast path (kernel variants) ------------------------------------------------
+
+anchor_triton_module = sys.modules["fastanchor.kernels.anchor_triton"]
+CL_VARIANTS = list(anchor_triton_module.CL_VARIANTS)
+DENSE = ("channels_last", "nhwc_permuted")  # every sample one dense run of pixels: the fast path applies
+# odd sizes (tails of 1-3 pixels, 1x1), sizes whose pixels are a multiple of 4 (the int32-word reads), and
+# 23x29 / 24x30, which span several programs of the smallest variant
+CL_CASES = CASES + [(3, 4, 6, 5), (2, 24, 30, None), (2, 23, 29, 3)]
+
+
+@pytest.mark.parametrize("variant", CL_VARIANTS)
+@pytest.mark.parametrize("case", CL_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_variants_match_torch_reference_and_strided_kernel(case, variant):
+    """Every variant on every layout pair: equal to the torch reference (bitwise in float32, one ulp in
+    16 bits) and bitwise to the strided kernel; the fast path runs exactly where the tensors allow it."""
+    b, h, w, pool_size = case
+    for k, layout in enumerate(LAYOUTS):
+        dtype = DTYPES[(k + h) % 3]
+        seed = 100 * k + h * w + b
+        ref_layout = LAYOUTS[(k + 1) % 5] if k % 2 else layout
+        if pool_size is None:
+            references, index = make_images(b, h, w, ref_layout, seed + 1), None
+        else:
+            references = make_images(pool_size, h, w, ref_layout, seed + 1)
+            index = torch.randint(pool_size, (b,), generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE)
+        images, masked = make_images(b, h, w, layout, seed), make_mask(b, MASKS[(k + w) % 3], seed)
+        out = poisoned_out(b, h, w, dtype)
+        plan = anchor_triton_module.kernel_plan(images, references, out, variant=variant)
+        dense = DENSE + (("nchw", "nhwc_slice") if h * w == 1 else ())  # a 1x1 image with channel stride 1 is dense
+        fast = layout in dense and ref_layout in dense
+        assert plan == ("strided" if not fast else "cl-words" if (h * w) % 4 == 0 else "cl"), (layout, ref_layout)
+        got = anchor_triton(images, references, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype,
+                            reference_index=index, out=out, variant=variant)
+        want = anchor_torch(images, references, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype, reference_index=index)
+        strided = anchor_triton(images, references, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype,
+                                reference_index=index, variant="strided")
+        assert got is out
+        assert_matches(got, want, dtype)
+        assert torch.equal(got, strided)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        assert torch.count_nonzero(got[masked, :3]) == 0
+
+
+@pytest.mark.parametrize("variant", ["cl", "cl-rcp"])
+@pytest.mark.parametrize("references_from", ["bank", "pool"])
+@pytest.mark.parametrize("case", [(1, 1, 1), (3, 7, 13), (2, 8, 6), (2, 37, 41)], ids=lambda c: "x".join(map(str, c)))
+def test_variants_write_the_bank_in_the_same_pass(case, references_from, variant):
+    b, h, w = case
+    for k in (0, 1, 5, 6):  # channels-last and permuted-NHWC images and banks: the fast path
+        dtype = DTYPES[k % 3]
+        images, bank, slots, pool, index = make_bank_step(b, h, w, k, references_from)
+        images, bank = images.contiguous(memory_format=torch.channels_last), bank.contiguous(memory_format=torch.channels_last)
+        pool = bank if references_from == "bank" else pool.contiguous(memory_format=torch.channels_last)
+        masked = make_mask(b, MASKS[k % 3], k)
+        expected_bank = bank.clone()
+        expected_bank[slots] = images
+        out = poisoned_out(b, h, w, dtype)
+        assert anchor_triton_module.kernel_plan(images, pool, out, bank, variant).startswith("cl")
+        want = anchor_torch(images, expected_bank.clone() if pool is bank else pool, masked, IMAGENET_MEAN_255,
+                            IMAGENET_STD_255, dtype, reference_index=index)
+        got = anchor_triton(images, pool, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype,
+                            reference_index=index, bank=bank, bank_slots=slots, out=out, variant=variant)
+        assert_matches(got, want, dtype)
+        assert torch.equal(bank, expected_bank)
+
+
+@pytest.mark.parametrize("stats", [(IMAGENET_MEAN_255, IMAGENET_STD_255), ((127.5,) * 3, (127.5,) * 3),
+                                   ((100.0, 100.0, 100.0), (50.0, 25.0, 10.0)), ((0.0, 0.0, 0.0), (3.0, 7.0, 11.0)),
+                                   ((13.25, 200.0, 0.5), (0.3, 1e3, 77.7))], ids=str)
+def test_reciprocal_division_is_bitwise_ieee_for_every_byte(stats):
+    """cl-rcp divides by multiplying with 1/std and one exact correction; every one of the 256 values
+    of each channel, in the image and in the reference, gives the float32 bits of the torch reference.
+    (An interpreter whose fma rounds twice, triton 3.6's, runs cl-rcp with IEEE division instead.)"""
+    mean, std = stats
+    values = torch.arange(256, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(3)
+    images = torch.stack([torch.stack([values[torch.randperm(256, generator=g)].view(16, 16) for _ in range(3)])
+                          for _ in range(2)]).to(DEVICE).contiguous(memory_format=torch.channels_last)
+    references = images.flip(0)
+    masked = torch.tensor([False, True], device=DEVICE)
+    assert anchor_triton_module._reciprocal_is_exact(tuple(mean), tuple(std)) is not None
+    got = anchor_triton(images, references, masked, mean, std, torch.float32, variant="cl-rcp")
+    want = anchor_torch(images, references, masked, mean, std, torch.float32)
+    assert torch.equal(got, want)
+
+
+def test_round_to_float32_against_the_conversion():
+    """The exact rounding used to check cl-rcp against float64 -> float32 conversion (one rounding)."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(0)
+    doubles = torch.randn(2000, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(-5, 5, (2000,), generator=g)
+    halfway = (torch.arange(1, 200, dtype=torch.float64) + 0.5) * 2.0 ** -23  # ties between float32 neighbours
+    for v in torch.cat([doubles, halfway, -halfway]).tolist():
+        assert anchor_triton_module._round_to_float32(Fraction(v)) == torch.tensor(v).float().item()
+
+
+def test_unknown_variant_is_refused():
+    images = make_images(1, 2, 2, "channels_last", 0)
+    with pytest.raises(ValueError, match="variant 'fast'"):
+        anchor_triton(images, images, torch.zeros(1, dtype=torch.bool, device=DEVICE), IMAGENET_MEAN_255,
+                      IMAGENET_STD_255, variant="fast")

@@ -180,6 +180,58 @@ def test_op_benchmark(results):
     assert derived(result)["torch: fraction of copy bandwidth"]["value"] == pytest.approx(op["median"] / copy["median"])
 
 
+
+def test_op_benchmark_times_kernel_variants_after_checking_them(results, monkeypatch):
+    """`--paths triton:VARIANT` on the CPU under the Triton interpreter (the rehearsal of the GPU command):
+    each variant's output is compared with the torch reference before it is timed, and the check is recorded."""
+    pytest.importorskip("triton", reason="the kernel variants need triton (not importable here)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    result = bench("op", *COMMON, "--batch-size", 3, "--image-size", 12, "--iterations", 1, "--step-model", "none",
+                   "--dtype", "bfloat16", "--paths", "torch,triton,triton:strided,triton:cl,triton:cl-rcp",
+                   "--out", results)
+    found = cases(result)
+    assert found["op: triton"]["status"] == "not available"  # the default dispatch is timed on CUDA only
+    for name in ("op: triton:strided", "op: triton:cl", "op: triton:cl-rcp"):
+        check_recorded(found[name])
+        assert found[name]["within_one_ulp"] is True and found[name]["max_abs_diff"] < 0.1
+    assert found["op: torch"]["bitwise_equal_to_torch"] is True
+    assert derived(result)["triton:cl: fraction of copy bandwidth"]["status"] == "ok"
+
+
+def test_reference_check_counts_ulps():
+    from fastanchor.benchmarks.anchor_op import check_against_reference
+
+    want = torch.tensor([1.0, -2.0, 0.0, 300.0]).to(torch.bfloat16)
+    one_ulp = torch.tensor([1.0078125, -2.0, 0.0, 300.0]).to(torch.bfloat16)  # bfloat16 steps by 2**-7 above 1
+    assert check_against_reference(want, want, torch.bfloat16) == {
+        "bitwise_equal_to_torch": True, "max_abs_diff": 0.0, "within_one_ulp": True}
+    assert check_against_reference(one_ulp, want, torch.bfloat16)["within_one_ulp"] is True
+    two_ulps = torch.tensor([1.015625, -2.0, 0.0, 300.0]).to(torch.bfloat16)
+    check = check_against_reference(two_ulps, want, torch.bfloat16)
+    assert check["within_one_ulp"] is False and check["max_abs_diff"] == 0.015625
+
+
+def test_fast_path_compiles_without_spills_or_shared_memory_to_16_byte_stores(monkeypatch):
+    """The op's channels-last variants compiled for sm_90 (no GPU needed): no register spills, no layout
+    conversion through shared memory, 16-byte stores, and cl-rcp without the division's FCHK/MUFU; the
+    strided kernel, for contrast, has all three (docs/notes/anchor_op_gpu.md)."""
+    pytest.importorskip("triton", reason="compiling the kernel needs triton (not importable here)")
+    from fastanchor.benchmarks.op_sass import compiled_variant, resource_usage, sass_counts, summary
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    found = {}
+    for variant in ("strided", "cl", "cl-rcp"):
+        kernel, grid, sass = compiled_variant(variant)
+        found[variant] = {**summary(sass_counts(sass)), **resource_usage(kernel)}
+        assert grid == (256 * 31,)  # 1,024 pixels a program at 176 px (the last one a quarter full)
+    for variant in ("cl", "cl-rcp"):
+        assert found[variant]["spills (LDL/STL)"] == found[variant]["shared (LDS/STS)"] == found[variant]["barriers"] == 0
+        assert found[variant]["stores"].get("STG.E.128", 0) > 0
+        assert found[variant]["stack bytes"] == 0 and found[variant]["registers"] <= 128  # >= 4 programs an SM
+    assert found["cl-rcp"]["FCHK"] == 0 and found["cl"]["FCHK"] > 0
+    assert found["strided"]["spills (LDL/STL)"] > 0 and found["strided"]["barriers"] > 0
+    assert "STG.E.128" not in found["strided"]["stores"]
+
 def test_step_benchmark(results):
     result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1,
                    "--num-classes", 4, "--out", results)

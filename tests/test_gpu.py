@@ -50,10 +50,12 @@ def random_uint8(*shape, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("size", OP_SIZES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("bank_write", [False, True], ids=["pool", "bank-write"])
-def test_triton_op_at_training_sizes_matches_the_torch_reference(size, dtype, bank_write):
+@pytest.mark.parametrize("variant", [None, "cl", "cl-rcp"], ids=["default", "cl", "cl-rcp"])
+def test_triton_op_at_training_sizes_matches_the_torch_reference(size, dtype, bank_write, variant):
+    """Each kernel variant (the default, and the channels-last fast path, which these NHWC batches take)."""
     b, h, w = size
-    if b == 1024 and (dtype != torch.float32 or bank_write):
-        pytest.skip("the 1024-image case runs once, float32 from a pool (the largest output)")
+    if b == 1024 and (dtype != torch.float32 or bank_write or variant == "cl-rcp"):
+        pytest.skip("the 1024-image case runs once per kernel, float32 from a pool (the largest output)")
     images = random_uint8(b, h, w, 3, seed=b + h).permute(0, 3, 1, 2).clamp_(max=254)  # a loader's NHWC batch
     masked = torch.rand(b, generator=torch.Generator().manual_seed(w)).lt(0.25).to(DEVICE)
     slots_total = b + 64
@@ -64,7 +66,7 @@ def test_triton_op_at_training_sizes_matches_the_torch_reference(size, dtype, ba
     write = {"bank": pool.clone(), "bank_slots": slots} if bank_write else {}
     expected_write = {"bank": pool.clone(), "bank_slots": slots} if bank_write else {}
     got = anchor_triton(images, pool if not bank_write else write["bank"], masked, IMAGENET_MEAN_255, IMAGENET_STD_255,
-                        dtype, reference_index=index, **write)
+                        dtype, reference_index=index, variant=variant, **write)
     want = anchor_torch(images, pool if not bank_write else expected_write["bank"], masked, IMAGENET_MEAN_255,
                         IMAGENET_STD_255, dtype, reference_index=index, **expected_write)
     assert got.device.type == DEVICE and got.dtype == dtype and got.shape == (b, 6, h, w)
