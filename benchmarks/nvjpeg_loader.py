@@ -71,9 +71,9 @@ _END = object()
 
 class NvjpegLoader:
     """Iterates (uint8 channels-last images [B, 3, s, s], int64 labels) decoded on the spec's device: a training
-    loader (shuffled; random-resized crop of area scale >= min_scale, flip) with the spec's batch_size, drop_last,
-    workers and seed; one process (no shards). `pipelined` prepares `prefetch` batches ahead on a thread (and CUDA
-    stream) of its own; both paths give the same batches."""
+    loader (shuffled; random-resized crop of area scale >= min_scale, flip unless `hflip` is off) with the spec's
+    batch_size, drop_last, workers and seed; one process (no shards). `pipelined` prepares `prefetch` batches ahead
+    on a thread (and CUDA stream) of its own; both paths give the same batches."""
 
     def __init__(self, index: ImageFolderIndex, spec: LoaderSpec, *, pipelined: bool = False, prefetch: int = 2):
         spec = checked_spec(spec)
@@ -84,6 +84,7 @@ class NvjpegLoader:
         self.pipelined = pipelined
         self.prefetch = max(1, prefetch)
         self.rng = np.random.default_rng(spec.seed)  # crops and flips
+        self.hflip = spec.hflip  # False: the coin is still drawn (the same crops as True), never heads
         self.loader = DataLoader(JpegBytes(index), batch_size=spec.batch_size, shuffle=True, drop_last=spec.drop_last,
                                  num_workers=workers, persistent_workers=workers > 0,
                                  collate_fn=_bytes_in_one_buffer if pipelined else _keep_bytes_apart,
@@ -107,7 +108,7 @@ class NvjpegLoader:
             for i, image in enumerate(decoded):
                 top, left, height, width = random_resized_crop_box(image.shape[1], image.shape[2], self.min_scale, self.rng)
                 crop = F.resized_crop(image, top, left, height, width, size, antialias=True)
-                images[i] = F.horizontal_flip(crop) if self.rng.uniform() < 0.5 else crop
+                images[i] = F.horizontal_flip(crop) if self.rng.uniform() < 0.5 and self.hflip else crop
             yield images, labels.to(self.device, non_blocking=True)
 
     # the pipelined path ------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class NvjpegLoader:
         upsample = torch._C._nn._upsample_bilinear2d_aa  # what F.interpolate(size=, mode="bilinear", antialias=True) runs
         for i, image in enumerate(decoded):
             top, left, height, width = random_resized_crop_box(image.shape[1], image.shape[2], self.min_scale, self.rng)
-            flips[i] = self.rng.uniform() < 0.5
+            flips[i] = self.rng.uniform() < 0.5 and self.hflip
             crop = image[:, top:top + height, left:left + width]
             if (height, width) == (s, s):  # torchvision returns such a crop as it is
                 batch[i] = crop

@@ -90,3 +90,21 @@ def test_pipelined_loader_raises_a_failed_read_where_it_is_iterated(tmp_path):
     with pytest.raises(FileNotFoundError, match="1.jpg"):
         list(loader)
     assert producers() == []
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_hflip_off_keeps_the_crops_and_flips_nothing(tiny_dataset, pipelined):
+    """With `hflip=False` the coin is still drawn, so each image is the flipped-on loader's image or its mirror,
+    and some of those were mirrored (the flip really was on there)."""
+    index = scan_image_folder(tiny_dataset / "train")
+    flipping = list(NvjpegLoader(index, spec(), pipelined=pipelined))
+    plain = list(NvjpegLoader(index, spec(hflip=False), pipelined=pipelined))
+    mirrored = 0
+    for (images, labels), (kept, kept_labels) in zip(flipping, plain):
+        assert torch.equal(labels, kept_labels)
+        for image, unflipped in zip(images, kept):
+            same = torch.equal(image, unflipped)
+            assert same or torch.equal(image, unflipped.flip(-1))
+            mirrored += not same
+    assert mirrored > 0
+    assert producers() == []

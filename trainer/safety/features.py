@@ -23,7 +23,8 @@ def classifier_layer(model: nn.Module, num_classes: int) -> nn.Linear:
     named = model.get_classifier() if hasattr(model, "get_classifier") else None
     if isinstance(named, nn.Linear) and named.out_features == num_classes:
         return named
-    candidates = [m for m in (named or model).modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    head = named if named is not None else model  # (not `named or model`: a container's bool() is its length)
+    candidates = [m for m in head.modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
     if not candidates and named is not None:
         candidates = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
     if not candidates:
