@@ -9,6 +9,7 @@
         eval.json, ood_scores.npz, plots/        `fastanchor evaluate` of final.pt
         finetune_ood/                `fastanchor finetune-ood`
         robustness_over_training.json (.npz: per-example correctness), linear_probe.json
+        robustness_cache/            `fastanchor robustness`'s evaluated checkpoints, for resuming and reruns
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class RunFolder:
     plots = property(lambda self: self.root / "plots")
     finetune_ood = property(lambda self: self.root / "finetune_ood")
     robustness = property(lambda self: self.root / "robustness_over_training.json")
+    robustness_cache = property(lambda self: self.root / "robustness_cache")
     linear_probe = property(lambda self: self.root / "linear_probe.json")
 
     @classmethod

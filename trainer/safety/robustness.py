@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ FIT_TO_RUNS = "fit-to-given-runs"
 TESTBED_FIT_NAME = "testbed_fit.json"
 TESTBED_CORRECT_NAME = "testbed_correct.npz"
 SHIPPED_TESTBEDS = TESTBED_FITS.with_name("testbeds")  # project testbed fit files shipped with fastanchor
+CACHE_FORMAT = 1  # of the per-checkpoint cache entries: raise it when evaluate_checkpoint_sets measures differently
 
 
 def check_spec(spec: RobustnessSpec) -> None:
@@ -277,12 +279,106 @@ def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.dev
     return record, about, {"id": id_correct.numpy(), "ood": ood_correct.numpy()}
 
 
-def evaluate_run(run_dir: Path, spec: RobustnessSpec, device: torch.device) -> tuple[dict, dict]:
+def evaluation_options(spec: RobustnessSpec, device: torch.device) -> dict:
+    """What, besides the checkpoint and the data, decides a checkpoint's numbers: the sets asked for, the --set
+    overrides (less train.progress), the device type and torch's version; not the baseline, transform or chart."""
+    return {"format": CACHE_FORMAT, "id_root": str(Path(spec.id_root).resolve()) if spec.id_root else "",
+            "ood_root": str(Path(spec.ood_root).resolve()) if spec.ood_root else "",
+            "corruptions": list(spec.corruptions), "severity": spec.severity,
+            "overrides": [o for o in spec.overrides if not o.replace(" ", "").startswith("train.progress=")],
+            "device": device.type, "torch": torch.__version__}
+
+
+def checkpoint_identity(path: Path) -> dict:
+    """Which checkpoint file, as it is now (checkpoints are replaced atomically: a new one has a new mtime)."""
+    status = path.stat()
+    return {"path": str(path.resolve()), "size": status.st_size, "mtime_ns": status.st_mtime_ns}
+
+
+def folder_fingerprint(root: str | Path) -> str:
+    """A digest of every file under `root` by relative path, size and modification time: changes when the set does."""
+    digest = hashlib.sha256()
+    for folder, subfolders, files in os.walk(root):
+        subfolders.sort()
+        for name in sorted(files):
+            status = os.stat(os.path.join(folder, name))
+            relative = os.path.relpath(os.path.join(folder, name), root)
+            digest.update(f"{relative}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+class EvaluationCache:
+    """One run's evaluated checkpoints, one file each in <run>/robustness_cache/ (<checkpoint>.<options digest>.npz,
+    written atomically): what makes `fastanchor robustness` resumable. An entry is reused only when the options,
+    the checkpoint file and the ID/OOD folders' files are the ones it was measured with; an unreadable one is
+    reported in one line and measured again."""
+
+    def __init__(self, run_dir: Path, options: dict, fingerprints: dict):
+        self.folder = RunFolder(Path(run_dir)).robustness_cache
+        self.options = options
+        self.suffix = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+        self.fingerprints = fingerprints  # root -> folder_fingerprint, shared by every run of one invocation
+
+    def entry(self, checkpoint: Path) -> Path:
+        return self.folder / f"{checkpoint.stem}.{self.suffix}.npz"
+
+    def fingerprint(self, root: str) -> str:
+        if root not in self.fingerprints:
+            self.fingerprints[root] = folder_fingerprint(root)
+        return self.fingerprints[root]
+
+    def data_roots(self, about: dict) -> dict:
+        return {root: self.fingerprint(root) for root in sorted({about["id_set"]["root"], about["ood_set"]["root"]})}
+
+    def read(self, checkpoint: Path) -> tuple[tuple[dict, dict, dict] | None, str]:
+        """(record, about, hits) measured before on this checkpoint with these options, or None; and why not."""
+        path = self.entry(checkpoint)
+        if not path.is_file():
+            return None, ""
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                key, data = json.loads(saved["key"].item()), json.loads(saved["data"].item())
+                record, about = json.loads(saved["record"].item()), json.loads(saved["about"].item())
+                hits = {"id": saved["id"], "ood": saved["ood"]}
+            if not (isinstance(record, dict) and isinstance(about, dict) and isinstance(data, dict)
+                    and all(h.dtype == bool and h.ndim == 1 for h in hits.values())):
+                raise ValueError("unexpected contents")
+            if key.get("options") != self.options:
+                raise ValueError("measured with other options")
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as error:
+            return None, f"cache entry '{path}' is unreadable ({str(error) or type(error).__name__}): ignored"
+        if key.get("checkpoint") != checkpoint_identity(checkpoint):
+            return None, "the checkpoint file changed since its cache entry was written"
+        if data != self.data_roots(about):
+            return None, f"the ID/OOD folders ({', '.join(data)}) changed since its cache entry was written"
+        record["checkpoint"] = str(checkpoint)  # as this invocation spells the run folder
+        return (record, about, hits), ""
+
+    def write(self, checkpoint: Path, record: dict, about: dict, hits: dict) -> None:
+        fields = {"key": {"options": self.options, "checkpoint": checkpoint_identity(checkpoint)},
+                  "data": self.data_roots(about), "record": record, "about": about}
+        arrays = {name: np.array(json.dumps(value)) for name, value in fields.items()}
+        atomic_write_bytes(self.entry(checkpoint),
+                           lambda handle: np.savez_compressed(handle, **arrays, id=hits["id"], ood=hits["ood"]))
+
+
+def evaluate_run(run_dir: Path, spec: RobustnessSpec, device: torch.device,
+                 fingerprints: dict | None = None) -> tuple[dict, dict]:
     """ID and OOD top-1 of every checkpoint of one run, and which examples each gets right
-    ({"id": bool [checkpoints, examples], "ood": ...})."""
+    ({"id": bool [checkpoints, examples], "ood": ...}); checkpoints measured before with the same options are read
+    back from the run's cache, the others are measured and cached as soon as each is done."""
     records, about, rows = [], {}, {"id": [], "ood": []}
+    cache = EvaluationCache(run_dir, evaluation_options(spec, device), {} if fingerprints is None else fingerprints)
     for path in run_checkpoints(run_dir):
-        record, about, hits = evaluate_checkpoint_sets(path, spec, device)
+        cached, why = cache.read(path)
+        if cached is not None:
+            record, about, hits = cached
+            print(f"{Path(run_dir).name}/{path.name}: reused (cached in {cache.entry(path)})", flush=True)
+        else:
+            record, about, hits = evaluate_checkpoint_sets(path, spec, device)
+            record, about = json.loads(json.dumps(record)), json.loads(json.dumps(about))  # as a reuse reads them
+            cache.write(path, record, about, hits)
+            print(f"{Path(run_dir).name}/{path.name}: evaluated" + (f" ({why})" if why else ""), flush=True)
         records.append(record)
         for key in rows:
             rows[key].append(hits[key])
@@ -358,7 +454,8 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     if len(set(names)) != len(names):
         raise ConfigError(f"runs {names}: the run directories need different names (they label the chart)")
     target = resolve_device(device)
-    evaluated = [evaluate_run(Path(r), spec, target) for r in run_dirs]
+    fingerprints = {}  # the data folders' digests, taken once per invocation
+    evaluated = [evaluate_run(Path(r), spec, target, fingerprints) for r in run_dirs]
     runs = [run for run, _ in evaluated]
     for run in runs[1:]:
         if pair_key(run) != pair_key(runs[0]):
