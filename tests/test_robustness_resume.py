@@ -2,6 +2,7 @@
 robustness_cache/ as soon as it is measured; a rerun with the same options reads it back, other options measure
 again, and a torn cache entry is reported and measured again. On a really trained tiny run (2 epochs)."""
 
+import io
 import json
 import os
 import shutil
@@ -151,7 +152,9 @@ def test_a_torn_cache_entry_is_reported_and_measured_again(trained, tmp_path):
     entries = sorted((run / "robustness_cache").iterdir())
     assert [p.name.split(".")[0] for p in entries] == ["epoch_001", "epoch_002"]
     whole = entries[0].read_bytes()
-    for torn in (whole[: len(whole) // 2], b"", b"not a cache entry"):
+    other = io.BytesIO()
+    np.savez(other, key=np.array("{}"), record=np.array("[]"))  # a whole .npz, not one of ours
+    for torn in (whole[: len(whole) // 2], b"", b"not a cache entry", other.getvalue()):
         entries[0].write_bytes(torn)
         result = run_main("robustness", "--run", run, *SETS)
         assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -63,6 +63,7 @@ TESTBED_FIT_NAME = "testbed_fit.json"
 TESTBED_CORRECT_NAME = "testbed_correct.npz"
 SHIPPED_TESTBEDS = TESTBED_FITS.with_name("testbeds")  # project testbed fit files shipped with fastanchor
 CACHE_FORMAT = 1  # of the per-checkpoint cache entries: raise it when evaluate_checkpoint_sets measures differently
+RECORD_FIELDS = {"epoch", "step", "fraction_of_training", "checkpoint", "id_top1", "ood_top1", "id_clipped", "ood_clipped"}
 
 
 def check_spec(spec: RobustnessSpec) -> None:
@@ -340,13 +341,15 @@ class EvaluationCache:
                 key, data = json.loads(saved["key"].item()), json.loads(saved["data"].item())
                 record, about = json.loads(saved["record"].item()), json.loads(saved["about"].item())
                 hits = {"id": saved["id"], "ood": saved["ood"]}
-            if not (isinstance(record, dict) and isinstance(about, dict) and isinstance(data, dict)
+            if not (isinstance(key, dict) and isinstance(record, dict) and isinstance(data, dict)
+                    and RECORD_FIELDS <= record.keys()
+                    and all(isinstance(about[s]["root"], str) for s in ("id_set", "ood_set"))
                     and all(h.dtype == bool and h.ndim == 1 for h in hits.values())):
                 raise ValueError("unexpected contents")
-            if key.get("options") != self.options:
-                raise ValueError("measured with other options")
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as error:
             return None, f"cache entry '{path}' is unreadable ({str(error) or type(error).__name__}): ignored"
+        if key.get("options") != self.options:  # (a digest collision in the name)
+            return None, f"cache entry '{path}' was measured with other options"
         if key.get("checkpoint") != checkpoint_identity(checkpoint):
             return None, "the checkpoint file changed since its cache entry was written"
         if data != self.data_roots(about):
