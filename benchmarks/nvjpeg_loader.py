@@ -34,6 +34,7 @@ from torchvision.transforms.v2 import functional as F
 from fastanchor.benchmarks.crops import random_resized_crop_box
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, IndexedFiles
 from fastanchor.pipeline.loaders.spec import LoaderSpec, checked_spec
+from fastanchor.pipeline.references import to_device_async
 
 
 class JpegBytes(IndexedFiles):
@@ -136,7 +137,7 @@ class NvjpegLoader:
             else:
                 batch[i] = F.resize(crop, [s, s], antialias=True)
         if flips.any():
-            flipped = torch.from_numpy(np.flatnonzero(flips)).to(device, non_blocking=True)  # no wait for the crops
+            flipped = to_device_async(torch.from_numpy(np.flatnonzero(flips)), device)  # no wait for the crops
             batch[flipped] = batch[flipped].flip(-1)
         if float_resize:
             batch.round_()
