@@ -1,5 +1,5 @@
 """Throughput benchmarks: every figure side by side with its limit or its peer, measured in one
-process, interleaved, as medians of repetitions; results written under benchmarks/results/.
+process, interleaved, as medians of repetitions; results written under results/.
 
     fastanchor bench data      the ImageNet-shaped JPEG dataset the loader figures are measured on
     fastanchor bench loader    FFCV / DALI / torchvision DataLoader (/ nvJPEG) vs the decode limit

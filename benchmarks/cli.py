@@ -1,7 +1,7 @@
 """`fastanchor bench WHAT`: the throughput benchmarks, the ImageNet-shaped dataset, the generated README/docs blocks.
 
 Every option of a benchmark is a field of its dataclass in `benchmarks/options.py`; the CLI (cli/__init__.py)
-generates the flags and their help from those fields (trainer/flags.py), so `--help` always lists them all
+generates the flags and their help from those fields (options/flags.py), so `--help` always lists them all
 with their meaning. Each entry is run as `function(options, command)`, `command` being the command line as
 typed (the result files record it).
 """

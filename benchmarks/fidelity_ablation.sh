@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fidelity ablation on the embedded data (version 3), demo recipe, 3 seeds per row, one row at a
 # time (2 cores: one training process at a time). Each (arm, seed) is saved as soon as it is done, so
-# running this again resumes where it stopped. The table: benchmarks/results/fidelity/README.md
+# running this again resumes where it stopped. The table: results/fidelity/README.md
 # (`fastanchor bench readme`). Usage: bash benchmarks/fidelity_ablation.sh [fastanchor command]
 set -euo pipefail
 FASTANCHOR=${1:-fastanchor}

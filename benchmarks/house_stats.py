@@ -38,7 +38,7 @@ def python_files(rev: str | None) -> dict[str, str]:
 
 
 def folder_of(path: str) -> str:
-    """'trainer/safety/sam.py' -> 'trainer/safety'; a module at the root -> '(root)'."""
+    """'evaluation/report/report.py' -> 'evaluation/report'; a module at the root -> '(root)'."""
     parent = str(Path(path).parent)
     return "(root)" if parent == "." else parent
 

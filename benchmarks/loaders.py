@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write, usable_cpus
-from fastanchor.benchmarks.crops import random_resized_crop_box
+from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_available, time_epoch
 from fastanchor.benchmarks.options import ImageDataOptions, LoaderOptions, by_device, names_list
 from fastanchor.benchmarks.results import opencv_jpeg
@@ -122,7 +122,7 @@ def _nvjpeg(pipelined: bool) -> Callable[[LoaderRequest], Iterable]:
     def make(request: LoaderRequest):
         if request.device.type != "cuda":
             raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
-        from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
+        from fastanchor.pipeline.loaders.nvjpeg import NvjpegLoader
 
         return NvjpegLoader(request.index, loader_spec(request), pipelined=pipelined)
 

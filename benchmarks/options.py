@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
-from fastanchor.trainer.config import option
-from fastanchor.trainer.flags import Checked, OnDevice, Recipe
+from fastanchor.options.option import Checked, option
+from fastanchor.options.flags import OnDevice
+from fastanchor.trainer.config import Recipe
 
 # the built-in entries of benchmarks.loaders.LOADERS
 LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg", "nvjpeg-pipelined")
@@ -85,7 +86,7 @@ class CommonOptions(BenchRun):
     repetitions: int = option(5, "recorded repetitions of every case (rounds, interleaved A B A B ...)")
     warmup_rounds: int = option(1, "rounds run first and not recorded (compilation, caches, worker start-up)")
     seed: int = option(0, "seed of data order, crops, weights, references and masking")
-    out: str = option("benchmarks/results", "directory of the result files <benchmark>-<device>[-<tag>].{json,md,png}")
+    out: str = option("results", "directory of the result files <benchmark>-<device>[-<tag>].{json,md,png}")
 
     def checks(self) -> list[tuple[str, bool, str]]:
         return [
@@ -135,7 +136,7 @@ class DataOptions(Checked):
 
 @dataclass
 class ReadmeOptions:
-    results: str = option("benchmarks/results", "directory of the result files")
+    results: str = option("results", "directory of the result files")
     readme: str = option("README.md", "the README to rewrite, with the docs/*.md beside it")
 
 
@@ -264,7 +265,7 @@ class FidelityOptions(Recipe, BenchRun):
     masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms (update: the paper's plain BatchNorm, "
                                              "as the control)", choices=("update", "skip"))
     keep_checkpoints: bool = option(False, "keep the trainer arms' checkpoints (default: deleted once evaluated)")
-    out: str = option("benchmarks/results/fidelity", "directory of the result files (<out>[/<tag>]/fidelity-<device>.{json,md,png} and runs/)")
+    out: str = option("results/fidelity", "directory of the result files (<out>[/<tag>]/fidelity-<device>.{json,md,png} and runs/)")
 
     def checks(self):
         unknown = [arm for arm in names_list(self.arms) if arm not in ARM_NAMES]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The full CPU benchmark set, for a quiet machine (about 30 minutes on 2 cores). Writes
-# benchmarks/results/{loader,op,step,e2e}-cpu.{json,md,png}, one step-cpu-<recipe> result per
+# results/{loader,op,step,e2e}-cpu.{json,md,png}, one step-cpu-<recipe> result per
 # recipe model, and regenerates the performance block (docs/benchmarks.md) and the recipe tables (docs/recipes.md).
 #
 #   benchmarks/run_cpu.sh            # everything
@@ -8,13 +8,13 @@
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), DATA (ImageNet-shaped dataset root,
 # default data/imagenet_shaped), IMAGES (images per loader epoch, default 2048), RESULTS
-# (default benchmarks/results), REPS (repetitions, default 5).
+# (default results), REPS (repetitions, default 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 DATA=${DATA:-data/imagenet_shaped}
 IMAGES=${IMAGES:-2048}
-RESULTS=${RESULTS:-benchmarks/results}
+RESULTS=${RESULTS:-results}
 REPS=${REPS:-5}
 bench() { echo "== fastanchor bench $*"; "$PYTHON" -m fastanchor.benchmarks "$@"; }
 common=(--device cpu --repetitions "$REPS" --out "$RESULTS")

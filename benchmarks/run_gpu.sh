@@ -26,7 +26,7 @@
 # Python (PYTHON, default .venv/bin/python or python3) with FFCV and the test dependencies from WHEELS
 # (default data/wheels, which benchmarks/gpu_wheels.sh builds; data/ is git-ignored, so carry it): a lent
 # machine is thrown away afterwards, and its torch, triton and timm are the ones measured.
-# The result files go into benchmarks/results/ (commit them), then `fastanchor bench readme`.
+# The result files go into results/ (commit them), then `fastanchor bench readme`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,7 +1,7 @@
 """The plain-torch SFT control and `fastanchor finetune-ood` side by side, over fine-tuning seeds.
 
     python -m fastanchor.benchmarks.sft_control_sweep runs/gn/final.pt --seeds 0 1 2 \
-        [--set finetune_ood.steps=50 ...] [--out benchmarks/results/sft_control/gn.json]
+        [--set finetune_ood.steps=50 ...] [--out results/sft_control/gn.json]
 
 For each seed, from the same standard checkpoint of a norm-layer model (GroupNorm or LayerNorm): the
 control (benchmarks/sft_control.py) fine-tunes on the same uint8 ID batches the project's training
@@ -24,7 +24,7 @@ import torch
 from fastanchor.benchmarks import sft_control as control
 from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.build import eval_loader, load_for_inference, loader_for, ood_sets, split_index, train_loader
-from fastanchor.trainer.safety.finetune_ood import finetune_ood
+from fastanchor.evaluation.finetune_ood import finetune_ood
 
 
 def images_of(loader) -> tuple[torch.Tensor, torch.Tensor]:

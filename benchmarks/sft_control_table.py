@@ -1,6 +1,6 @@
 """The SFT control sweeps as one table generated from their recorded result files.
 
-    python -m fastanchor.benchmarks.sft_control_table [benchmarks/results/sft_control]
+    python -m fastanchor.benchmarks.sft_control_table [results/sft_control]
 
 Reads every `<base model>.json` written by `python -m fastanchor.benchmarks.sft_control_sweep` and writes
 README.md beside them: per checkpoint, ID top-1 and energy AUROC on every OOD set after fine-tuning, the
@@ -60,4 +60,4 @@ def write_table(folder: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(write_table(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/sft_control")))
+    print(write_table(Path(sys.argv[1] if len(sys.argv) > 1 else "results/sft_control")))

@@ -3,7 +3,7 @@
     fastanchor train --config demo --set anchor.enabled=false --set train.run_name=standard
     fastanchor train --config demo --set train.run_name=anchored
     python -m fastanchor.benchmarks.sft_demo_sweep runs/standard/final.pt runs/anchored/final.pt \
-        [--out benchmarks/results/sft_demo]
+        [--out results/sft_demo]
 
 Every setting of `SETTINGS` is one `fastanchor finetune-ood` of each checkpoint: the demo recipe's
 fine-tuning options (configs/demo.yaml) with the setting's `--set` overrides on top. Each run's
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from fastanchor.benchmarks.sft_demo_table import write_table
-from fastanchor.trainer.safety.finetune_ood import finetune_ood
+from fastanchor.evaluation.finetune_ood import finetune_ood
 
 PAPER_STEP = ["finetune_ood.lr=1e-3", "finetune_ood.ood_weight=1.0"]
 
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("standard", type=Path, help="the demo recipe's standard checkpoint (final.pt)")
     parser.add_argument("anchored", type=Path, help="the demo recipe's anchored checkpoint (final.pt)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sft_demo"), help="results folder")
+    parser.add_argument("--out", type=Path, default=Path("results/sft_demo"), help="results folder")
     parser.add_argument("--only", nargs="*", default=None, help="run only these settings (default: all)")
     args = parser.parse_args(argv)
     for name in args.only or SETTINGS:

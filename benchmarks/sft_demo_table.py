@@ -1,6 +1,6 @@
 """The SFT settings sweep on the demo models, as one table generated from its recorded result files.
 
-    python -m fastanchor.benchmarks.sft_demo_table [benchmarks/results/sft_demo]
+    python -m fastanchor.benchmarks.sft_demo_table [results/sft_demo]
 
 Reads `<kind>/<setting>/summary.json` (written by `fastanchor finetune-ood`, with the command that
 made it added as "command") and writes README.md beside them: ID top-1 and energy/MSP AUROC and
@@ -63,4 +63,4 @@ def write_table(folder: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(write_table(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/sft_demo")))
+    print(write_table(Path(sys.argv[1] if len(sys.argv) > 1 else "results/sft_demo")))

@@ -12,7 +12,7 @@ whenever other processes map the same libraries): it grows only with new allocat
 of a least-squares line through the samples after the warm-up is the figure: MiB per 1000 steps,
 about 0 when flat.
 
-    python -m fastanchor.benchmarks.soak --steps 5000 --out benchmarks/results/soak/soak-cpu.json
+    python -m fastanchor.benchmarks.soak --steps 5000 --out results/soak/soak-cpu.json
 
 writes the JSON (device, versions, command, settings, samples, slopes) and a PNG beside it.
 """
@@ -228,7 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sample-every", type=int, default=25, help="steps between memory samples")
     parser.add_argument("--warmup", type=float, default=0.2, help="fraction of steps left out of the slope fit")
     parser.add_argument("--data-root", default="data/embedded", help="embedded dataset (generated when missing)")
-    parser.add_argument("--out", default="benchmarks/results/soak/soak-cpu.json", help="result JSON; the PNG goes beside it")
+    parser.add_argument("--out", default="results/soak/soak-cpu.json", help="result JSON; the PNG goes beside it")
     return parser.parse_args(argv)
 
 

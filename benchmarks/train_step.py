@@ -133,7 +133,8 @@ def model_at_resolution(config: Config) -> tuple[str, int]:
 
 def recipes_training(model_at: tuple[str, int]) -> list[str]:
     """Every shipped recipe that trains this model at this first-epoch resolution."""
-    from fastanchor.trainer.config import load_config, recipe_names
+    from fastanchor.trainer.config import load_config
+    from fastanchor.options.recipes import recipe_names
 
     return [name for name in recipe_names() if model_at_resolution(load_config(name)) == model_at]
 

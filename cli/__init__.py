@@ -2,9 +2,9 @@
 
     COMMANDS = {name: (options class, "module:function" under fastanchor, one-line help)}
 
-The flags and their help are generated from the options' fields (`option()`, trainer/flags.py), the
+The flags and their help are generated from the options' fields (`option()`, options/flags.py), the
 same machinery as the config sections and the benchmarks; the options several commands share
-(--config, --set, --checkpoint, --device) are mixins declared once in trainer/flags.py. `fastanchor
+(--config, --set, --checkpoint, --device) are mixins declared once in options/flags.py. `fastanchor
 bench WHAT` is a table of the same shape (benchmarks/cli.py: BENCHMARKS), nested under `bench`. A
 command whose options take --set lists every config option in its --help.
 
@@ -37,7 +37,7 @@ from fastanchor.cli import options as o
 from fastanchor.errors import FastAnchorError
 from fastanchor.reproduce.options import ReproduceOptions
 from fastanchor.trainer.config import describe_options
-from fastanchor.trainer.flags import Overrides, add_options, options_from
+from fastanchor.options.flags import Overrides, add_options, options_from
 
 COMMANDS = {
     "prepare": (o.PrepareOptions, "cli.commands:prepare",
@@ -54,7 +54,7 @@ COMMANDS = {
     "report": (o.ReportOptions, "cli.commands:report", "one HTML page and a Markdown twin comparing runs side by side"),
     "recipes": (o.RecipesOptions, "cli.commands:recipes", "list the recipes under configs/ with the results they aim at"),
     "demo": (o.DemoOptions, "cli.commands:demo", "train standard and anchored models on the embedded dataset and compare them"),
-    "bench": (BENCHMARKS, "benchmarks", "throughput and fidelity benchmarks (result files under benchmarks/results/)"),
+    "bench": (BENCHMARKS, "benchmarks", "throughput and fidelity benchmarks (result files under results/)"),
     "reproduce": (ReproduceOptions, "reproduce.sweep:run_reproduce",
                   "run a figure or table of the anchoring paper as a resumable sweep"),
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastanchor.cli import options as o
 from fastanchor.errors import ConfigError
-from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 
 def prepare(options: o.PrepareOptions, command: str) -> None:
@@ -41,7 +41,7 @@ def prepare(options: o.PrepareOptions, command: str) -> None:
 
 
 def train(options: o.TrainOptions, command: str) -> None:
-    from fastanchor.trainer.resume import resume_config
+    from fastanchor.trainer.checkpoint.resume import resume_config
     from fastanchor.trainer.train import train as train_run
 
     resume = options.resume or None
@@ -61,13 +61,13 @@ def train(options: o.TrainOptions, command: str) -> None:
 
 
 def evaluate(options: o.EvaluateOptions, command: str) -> None:
-    from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
+    from fastanchor.evaluation.evaluate import evaluate_checkpoint
 
     print(json.dumps(evaluate_checkpoint(Path(options.checkpoint), options.overrides, options.device), indent=2))
 
 
 def finetune_ood(options: o.FinetuneOODOptions, command: str) -> None:
-    from fastanchor.trainer.safety.finetune_ood import finetune_ood as finetune, markdown_table
+    from fastanchor.evaluation.finetune_ood import finetune_ood as finetune, markdown_table
 
     summary = finetune(Path(options.checkpoint), options.overrides, options.device, options.out or None)
     print(markdown_table(summary["before"], summary["after"]))
@@ -76,7 +76,7 @@ def finetune_ood(options: o.FinetuneOODOptions, command: str) -> None:
 
 
 def robustness(options: o.RobustnessOptions, command: str) -> None:
-    from fastanchor.trainer.safety.robustness import robustness_over_training
+    from fastanchor.evaluation.robustness import robustness_over_training
 
     runs, chart = robustness_over_training([Path(r) for r in options.runs], options, options.device,
                                            Path(options.plot) if options.plot else None)
@@ -88,13 +88,13 @@ def robustness(options: o.RobustnessOptions, command: str) -> None:
 
 
 def linear_probe(options: o.LinearProbeOptions, command: str) -> None:
-    from fastanchor.trainer.safety.linear_probe import linear_probe as probe
+    from fastanchor.evaluation.linear_probe import linear_probe as probe
 
     print(json.dumps(probe(Path(options.checkpoint), options, options.device), indent=2))
 
 
 def report(options: o.ReportOptions, command: str) -> None:
-    from fastanchor.trainer.report.report import write_report
+    from fastanchor.evaluation.report.report import write_report
 
     paths = write_report([Path(r) for r in options.runs], Path(options.out) if options.out else None, options.title)
     print(f"report written: {paths['report.html']} and {paths['report.md']}")

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
-from fastanchor.trainer.safety.finetune_ood import finetune_ood, sft_regime, summary_rows
+from fastanchor.evaluation.evaluate import evaluate_checkpoint
+from fastanchor.evaluation.finetune_ood import finetune_ood, summary_rows
+from fastanchor.trainer.finetune_ood import sft_regime
 from fastanchor.trainer.train import train
-from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 
 def comparison_rows(results: dict[str, dict]) -> list[tuple[str, list[str]]]:
@@ -61,7 +62,7 @@ def sft_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "reproduce"  # the committed small-scale record
+RECORD = Path(__file__).resolve().parents[1] / "results" / "reproduce"  # the committed small-scale record
 
 
 def sft_record_line(record: Path = RECORD) -> str:
@@ -80,7 +81,7 @@ def sft_record_line(record: Path = RECORD) -> str:
             clauses.append(f"{setup}, {after['id_top1']['n']} seeds: textures energy AUROC "
                            f"{before['textures_auroc']['mean']:.1f} -> {after['textures_auroc']['mean']:.1f}, "
                            f"ID top-1 {after['id_top1_change']['mean']:+.1f}")
-    return (f"The paper's step at small scale ({record.relative_to(record.parents[2])}/sft-tab1-2 and sft-pretrained): "
+    return (f"The paper's step at small scale ({record.relative_to(record.parents[1])}/sft-tab1-2 and sft-pretrained): "
             + "; ".join(clauses) + " (the paper: ID top-1 within 1 point).") if clauses else ""
 
 

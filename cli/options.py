@@ -1,16 +1,17 @@
 """The options of every `fastanchor` command, declared with `option()` like the config sections and the
 benchmarks (one line of help each; the long story is docs/cli.md). The options several commands share
-(--config, --set, --checkpoint, --device) are the mixins of trainer/flags.py; linear-probe's and
-robustness's own options are the library's specs (trainer/safety/specs.py), so their defaults are typed
+(--config, --set, --checkpoint, --device) are the mixins of options/flags.py; linear-probe's and
+robustness's own options are the library's specs (evaluation/specs.py), so their defaults are typed
 once. A docstring is the command's `--help` epilog. No torch import here: `--help` stays fast."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastanchor.trainer.config import option
-from fastanchor.trainer.flags import FromCheckpoint, OnDevice, Recipe
-from fastanchor.trainer.safety.specs import ProbeSpec, RobustnessSpec
+from fastanchor.options.option import option
+from fastanchor.options.flags import FromCheckpoint, OnDevice
+from fastanchor.trainer.config import Recipe
+from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
 
 
 @dataclass

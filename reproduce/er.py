@@ -1,7 +1,7 @@
 """The experiments of paper 003 (Andreassen et al., "The Evolution of Out-of-Distribution Robustness Throughout
 Fine-Tuning") as sweeps of runs, in the shared folder <out>/er/:
 
-  er-testbed   one run of many steps: every testbed member trained (trainer/safety/testbed.py's members, each
+  er-testbed   one run of many steps: every testbed member trained (evaluation/testbed.py's members, each
                `fastanchor train` into <out>/er/testbed/models/<member>/), then build_testbed over them (the
                members found trained; each evaluated as `fastanchor robustness` evaluates a checkpoint; the
                line fitted in logit and probit space): <out>/er/testbed/testbed_fit.json and testbed.png.
@@ -41,7 +41,7 @@ GROUP_LABELS = {"pretrained": "pretrained", "random": "random init"}
 
 def testbed_run(experiment: str, scale: str, data: str, out: str, device: str, progress: bool) -> Run:
     """The testbed as one run: a train step per member, then the fit (build_testbed finds the members trained)."""
-    from fastanchor.trainer.safety.testbed import SMALL_TESTBED, TINY_TESTBED, member_overrides  # torch: not for --help
+    from fastanchor.evaluation.testbed import SMALL_TESTBED, TINY_TESTBED, member_overrides  # torch: not for --help
 
     setup = next(iter(setups(scale, data).values()))
     folder = Path(out) / "er" / "testbed"
@@ -119,7 +119,7 @@ def testbed_result(experiment: Experiment, runs: list[Run], out: Path, scale: st
     run = next(r for r in runs if r.name == "testbed")
     path = run.result_file(out)
     fit = json.loads(path.read_text()) if path.is_file() else None
-    published = json.loads((Path(__file__).resolve().parents[1] / "trainer/safety/testbed_fits.json").read_text())["fits"]
+    published = json.loads((Path(__file__).resolve().parents[1] / "evaluation/testbed_fits.json").read_text())["fits"]
     return {"kind": "er-testbed", "runs": [{"run": m["name"], "setup": run.setup, "arm": "testbed", "value": None,
                                             "seed": 0, "metrics": {k: m[k] for k in ("id_top1", "ood_top1")}}
                                            for m in (fit or {}).get("models", [])],
@@ -162,14 +162,14 @@ def testbed_markdown(result: dict) -> list[str]:
     lines += [f"| {m['name']} | {m['epochs']} | {m['id_top1']:.2f} | {m['ood_top1']:.2f} |" for m in fit["models"]]
     lines += ["", "| fit | a | b | R^2 |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {t} | {f['a']:.4f} | {f['b']:.4f} | {f['r2']:.4f} |" for t, f in fit["fits"].items()]
-    lines += ["", "The published testbed lines (another ID/OOD pair; trainer/safety/testbed_fits.json, with sources):", "",
+    lines += ["", "The published testbed lines (another ID/OOD pair; evaluation/testbed_fits.json, with sources):", "",
               "| line | a | b | source |", "| --- | ---: | ---: | --- |"]
     lines += [f"| {name} | {f['a']} | {f['b']} | {f['source']} |" for name, f in result["published_lines"].items()]
     return lines
 
 
 def finetune_markdown(result: dict) -> list[str]:
-    from fastanchor.trainer.safety.er_summary import group_rows
+    from fastanchor.evaluation.er_summary import group_rows
 
     summary = result["er_summary"]
     lines = ["| run | seed | final ID top-1 (%) | final OOD top-1 (%) | final ER (pp) | max ER over checkpoints (pp) | checkpoints |",

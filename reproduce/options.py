@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastanchor.reproduce.runs import SCALES
-from fastanchor.trainer.config import option
-from fastanchor.trainer.flags import Checked, OnDevice
+from fastanchor.options.option import Checked, option
+from fastanchor.options.flags import OnDevice
 
 
 @dataclass

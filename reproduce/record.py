@@ -1,4 +1,4 @@
-"""The committed record of an experiment: benchmarks/results/reproduce/<experiment>/ holds result.json,
+"""The committed record of an experiment: results/reproduce/<experiment>/ holds result.json,
 result.png and a README.md generated from the result JSON (never typed by hand)."""
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ Step kinds (sweep.py runs each through the function its command calls):
   link          another experiment's trained final.pt, hard-linked into this run's folder output <run>/final.pt
   finetune-ood  `fastanchor finetune-ood --checkpoint CKPT --out OUT --set ...`        output OUT/summary.json
   ood-sets      benchmarks/sft_ood_sets.py: pseudo-OOD and jigsaw sets from val images output the folder
-  testbed       trainer/safety/testbed.py's build_testbed over already trained members  output testbed_fit.json
+  testbed       evaluation/testbed.py's build_testbed over already trained members  output testbed_fit.json
   robustness    `fastanchor robustness --run R ... --baseline B`                        output the last run's JSON
-  er-summary    trainer/safety/er_summary.py's summarise_groups                        output er_summary.json
+  er-summary    evaluation/er_summary.py's summarise_groups                        output er_summary.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The experiments of paper 002 (SFT: "Why SAM Fine-tuning Can Benefit OOD Detection") as sweeps of runs.
 
-Each table is a set of fine-tuning settings (trainer/safety/sft_tables.py: the paper's step, SAM on the
+Each table is a set of fine-tuning settings (evaluation/sft_tables.py: the paper's step, SAM on the
 normalisation layers, 50 steps, lr 1e-3, rho 0.5, lambda 1, and the table's changes to it), applied to
 standard models with BatchNorm (the demo ResNet), GroupNorm (its GroupNorm variant; the paper's BiT
 ResNetv2 uses GroupNorm) and LayerNorm (timm's convnext_atto; the paper's T2T-ViT uses LayerNorm), 3
@@ -32,7 +32,7 @@ from pathlib import Path
 from fastanchor.reproduce.er import pretrain_step
 from fastanchor.reproduce.runs import Experiment, Run, Step
 from fastanchor.reproduce.scales import Evaluation, setups
-from fastanchor.trainer.safety.sft_tables import PAPER_STEP
+from fastanchor.evaluation.sft_tables import PAPER_STEP
 
 # setup -> (model.name, the paper's model it stands for ('' : none; the paper reports SFT does not suit BatchNorm))
 MODELS = {

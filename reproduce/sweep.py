@@ -47,12 +47,12 @@ def step_line(step: Step, device: str) -> str:
                            "--images", str(step.count)])
     if step.kind == "testbed":
         members = {name: list(member) for name, member in step.members}
-        return python_line("from fastanchor.trainer.safety.testbed import build_testbed; "
+        return python_line("from fastanchor.evaluation.testbed import build_testbed; "
                            f"build_testbed({step.folder!r}, {members!r}, recipe={step.recipe!r}, "
                            f"overrides={list(step.overrides)!r}, device={device!r})")
     if step.kind == "er-summary":
         groups = {label: list(runs) for label, runs in step.groups}
-        return python_line("from fastanchor.trainer.safety.er_summary import summarise_groups; "
+        return python_line("from fastanchor.evaluation.er_summary import summarise_groups; "
                            f"summarise_groups({groups!r}, {step.folder!r})")
     raise ValueError(f"unknown step kind {step.kind!r}")
 
@@ -86,7 +86,7 @@ def run_step(step: Step, device: str, progress: bool) -> None:
 
         train(load_config(step.recipe, step.overrides), resume="auto")
     elif step.kind == "evaluate":
-        from fastanchor.trainer.safety.evaluate import evaluate_checkpoint
+        from fastanchor.evaluation.evaluate import evaluate_checkpoint
 
         evaluate_checkpoint(step.checkpoint, step.overrides, device, progress)
     elif step.kind == "link":
@@ -94,7 +94,7 @@ def run_step(step: Step, device: str, progress: bool) -> None:
 
         link_file(Path(step.checkpoint), Path(step.output))
     elif step.kind == "finetune-ood":
-        from fastanchor.trainer.safety.finetune_ood import finetune_ood
+        from fastanchor.evaluation.finetune_ood import finetune_ood
 
         finetune_ood(step.checkpoint, step.overrides, device, step.folder, progress)
     elif step.kind == "ood-sets":
@@ -102,19 +102,19 @@ def run_step(step: Step, device: str, progress: bool) -> None:
 
         write_sets(Path(step.data), Path(step.folder), count=step.count)
     elif step.kind == "testbed":
-        from fastanchor.trainer.safety.testbed import build_testbed
+        from fastanchor.evaluation.testbed import build_testbed
 
         build_testbed(step.folder, {name: list(member) for name, member in step.members}, recipe=step.recipe,
                       overrides=step.overrides, device=device)
     elif step.kind == "robustness":
-        from fastanchor.trainer.safety.robustness import robustness_over_training
-        from fastanchor.trainer.safety.specs import RobustnessSpec
+        from fastanchor.evaluation.robustness import robustness_over_training
+        from fastanchor.evaluation.specs import RobustnessSpec
 
         spec = RobustnessSpec(baseline=step.baseline, overrides=list(step.overrides))
         robustness_over_training([Path(r) for r in step.runs], spec, device,
                                  Path(step.folder) / "robustness_over_training.png")
     elif step.kind == "er-summary":
-        from fastanchor.trainer.safety.er_summary import summarise_groups
+        from fastanchor.evaluation.er_summary import summarise_groups
 
         summarise_groups({label: list(runs) for label, runs in step.groups}, step.folder)
     else:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import run_main, tiny_overrides
-from fastanchor.trainer.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from fastanchor.trainer.checkpoint.file import checkpoint_name, load_checkpoint, save_checkpoint
 from fastanchor.cli import main
 
 # The earlier run every case must leave intact: 3 steps, a checkpoint after each (small model).

@@ -14,7 +14,7 @@ from fastanchor.pipeline.augment.erasing import RandomErasing, erasing_boxes, pa
 from fastanchor.pipeline.augment.mixing import BatchMixer, Mix, cutmix, cutmix_box, mixup, partners
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.config import ConfigError, load_config
-from fastanchor.trainer.inference import predict
+from fastanchor.trainer.predict import predict
 from fastanchor.trainer.losses import anchored_cross_entropy
 from fastanchor.trainer.models import ModelError, create_model
 
@@ -234,8 +234,7 @@ def test_dali_policies_change_images_per_sample(policy, tiny_dataset):
     """DALI's auto_aug in the loader: with no policy every image is its source or its mirror; with one, some are not."""
     from fastanchor.pipeline.loaders.dali import DALILoader
     from fastanchor.pipeline.loaders.spec import LoaderSpec
-    from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
-    from fastanchor.pipeline.datasets.imagefolder import load_rgb
+    from fastanchor.pipeline.datasets.imagefolder import load_rgb, scan_image_folder
 
     index = scan_image_folder(tiny_dataset / "train")
     sources = np.stack([np.asarray(load_rgb(path)) for path, _ in index.samples])
@@ -257,7 +256,7 @@ def test_resuming_mid_epoch_replays_the_same_mixes_and_erasures(tiny_dataset, tm
     import shutil
 
     from conftest import run_main, tiny_overrides
-    from fastanchor.trainer.checkpoint import checkpoint_name
+    from fastanchor.trainer.checkpoint.file import checkpoint_name
 
     settings = {"data.batch_size": 8, "data.workers": 0, "train.epochs": 2, "train.threads": 1,
                 "train.deterministic": "true", "train.checkpoint_interval": 1, "optim.name": "sgd",

@@ -6,7 +6,7 @@ import torch
 import fastanchor.pipeline.anchoring as anchoring
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer.batchnorm import UnmaskedRunningStats, batchnorm_layers, recalibrate
-from fastanchor.trainer.checkpoint import checkpoint_name, load_checkpoint
+from fastanchor.trainer.checkpoint.file import checkpoint_name, load_checkpoint
 from fastanchor.trainer.models import create_model
 
 
@@ -111,7 +111,7 @@ def test_evaluate_recalibrate_bn_reestimates_on_unmasked_training_batches_and_le
     import json
 
     from fastanchor.trainer.build import load_for_inference
-    from fastanchor.trainer.safety.evaluate import recalibration_batches
+    from fastanchor.evaluation.evaluate import recalibration_batches
 
     result = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
         "anchor.alpha": 1.0, "anchor.mask_level": "batch", "anchor.masked_batchnorm": "update", "train.run_name": "masked"}))

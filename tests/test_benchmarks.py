@@ -19,7 +19,7 @@ from PIL import Image
 from conftest import run_main
 from fastanchor.benchmarks import readme as bench_readme
 from fastanchor.benchmarks.anchor_op import op_bytes
-from fastanchor.benchmarks.crops import random_resized_crop_box
+from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
 from fastanchor.benchmarks.results import describe_run, environment, validate_result
 from fastanchor.errors import ConfigError
@@ -322,7 +322,7 @@ def test_end_to_end_benchmark_of_a_recipe(tiny_dataset, tmp_path):
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_nvjpeg_loader_pairs_each_decoded_image_with_its_label(tmp_path, pipelined):
-    from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
+    from fastanchor.pipeline.loaders.nvjpeg import NvjpegLoader
 
     colours = {"a": (200, 30, 40), "b": (20, 180, 60), "c": (40, 50, 220)}
     for name, colour in colours.items():
@@ -407,7 +407,7 @@ def test_committed_readme_block_matches_committed_results():
     page = REPO / "docs" / "benchmarks.md"
     text = page.read_text()
     start, end = text.index(bench_readme.BEGIN), text.index(bench_readme.END) + len(bench_readme.END)
-    expected = bench_readme.render_block(bench_readme.load_results(REPO / "benchmarks" / "results"), page.parent)
+    expected = bench_readme.render_block(bench_readme.load_results(REPO / "results"), page.parent)
     assert text[start:end] == expected, "docs/benchmarks.md's performance block is stale: run `fastanchor bench readme`"
 
 

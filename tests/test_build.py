@@ -8,7 +8,7 @@ import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer import build as build_module
 from fastanchor.trainer.build import eval_loader, load_for_inference, split_index
-from fastanchor.trainer.inference import predict
+from fastanchor.trainer.predict import predict
 
 
 def module_tree(model: torch.nn.Module) -> dict:

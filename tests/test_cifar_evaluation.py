@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from fastanchor.errors import DataError
-from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
-from fastanchor.pipeline.datasets.imagefolder import load_rgb
+from fastanchor.pipeline.datasets.imagefolder import load_rgb, scan_image_folder
 from fastanchor.trainer.build import shift_sets
 from fastanchor.trainer.config import load_config
 

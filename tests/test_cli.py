@@ -1,7 +1,7 @@
 """The CLI as a table (cli/__init__.py: COMMANDS, benchmarks/cli.py: BENCHMARKS) and its progress output.
 
 Every entry's options generate its flags with one-line help; the shared options are the ones declared in
-trainer/flags.py; every target resolves to a function; a new command is one dataclass and one table line;
+options/flags.py; every target resolves to a function; a new command is one dataclass and one table line;
 `--help` imports no torch; a training whose output is a pipe writes plain lines, never `\\r` frames.
 """
 
@@ -23,9 +23,10 @@ from fastanchor import progress as progress_module
 from fastanchor.benchmarks.cli import BENCHMARKS
 from fastanchor.cli import COMMANDS, OneLineErrorParser, add_commands, build_parser, run
 from fastanchor.cli.options import LinearProbeOptions, RobustnessOptions
-from fastanchor.trainer import flags
-from fastanchor.trainer.config import option
-from fastanchor.trainer.safety.specs import ProbeSpec, RobustnessSpec
+from fastanchor.options import flags
+from fastanchor.trainer import config as trainer_config
+from fastanchor.options.option import option
+from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
 
 HELP_LIMIT = 100
 
@@ -57,8 +58,8 @@ def test_every_target_is_a_function():
 
 
 def test_shared_options_are_declared_once():
-    """--set, --device, --checkpoint and --config of every command are the fields of trainer/flags.py's mixins."""
-    shared = {name: field for mixin in (flags.Overrides, flags.OnDevice, flags.FromCheckpoint, flags.Recipe)
+    """--set, --device, --checkpoint and --config of every command are the fields of options/flags.py's mixins."""
+    shared = {name: field for mixin in (flags.Overrides, flags.OnDevice, flags.FromCheckpoint, trainer_config.Recipe)
               for name, field in mixin.__dataclass_fields__.items()}
     seen = set()
     for words, cls, _ in leaf_entries():

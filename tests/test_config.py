@@ -7,7 +7,8 @@ import pytest
 from fastanchor.benchmarks import options as bench_options
 from fastanchor.cli import build_parser
 from fastanchor.reproduce import options as reproduce_options
-from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config, parse_override
+from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config
+from fastanchor.options.recipes import parse_override
 
 
 def test_demo_recipe_loads_and_overrides_apply():

@@ -13,7 +13,7 @@ from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
-from fastanchor.trainer.checkpoint import checkpoint_name
+from fastanchor.trainer.checkpoint.file import checkpoint_name
 
 # GroupNorm, no BatchNorm: with BatchNorm each process would normalise by its own half batch's
 # statistics, a different function from one process's full batch, not a rounding difference.

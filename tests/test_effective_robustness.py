@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 from fastanchor.errors import DataError
-from fastanchor.trainer.safety.effective_robustness import (
+from fastanchor.evaluation.effective_robustness import (
     Baseline,
     accuracy_on_unsolved_by_others,
     clip_accuracy,
@@ -157,7 +157,7 @@ def test_testbed_csv(tmp_path):
 
 def test_top1_with_a_logit_mask_hand_worked():
     import torch
-    from fastanchor.trainer.safety.robustness import top1
+    from fastanchor.evaluation.robustness import top1
 
     logits = torch.tensor([[5.0, 1.0, 2.0, 0.0], [0.0, 3.0, 1.0, 9.0], [0.0, 1.0, 4.0, 2.0]])
     labels = torch.tensor([2, 1, 2])
@@ -166,7 +166,7 @@ def test_top1_with_a_logit_mask_hand_worked():
 
 
 def test_binned_er_hand_worked():
-    from fastanchor.trainer.safety.er_summary import binned_runs, max_er
+    from fastanchor.evaluation.er_summary import binned_runs, max_er
 
     # 4 bins over ID accuracy [0, 4]; run a: bins 0 -> 1, 1 -> mean(2, 4) = 3, 3 -> 0; run b: 0 -> 3, 2 -> 5, 3 -> 2
     runs = [(np.array([0.5, 1.5, 1.7, 3.5]), np.array([1.0, 2.0, 4.0, 0.0])),
@@ -183,7 +183,7 @@ def test_binned_er_hand_worked():
 def test_group_summary_of_robustness_files(tmp_path):
     import json
 
-    from fastanchor.trainer.safety.er_summary import summarise_groups
+    from fastanchor.evaluation.er_summary import summarise_groups
 
     baseline = {"name": "testbed", "transform": "logit", "a": 1.0, "b": 0.0, "r2": 0.9, "source": "s"}
     points = {"pre0": [(50, 4.0), (70, 6.0), (90, 1.0)], "pre1": [(52, 2.0), (88, 3.0)], "rand0": [(40, 0.5), (85, -0.5)]}

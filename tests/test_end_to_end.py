@@ -91,7 +91,7 @@ def test_demo_sft_line_reads_the_committed_record(tmp_path):
     def group(setup, arm, **metrics):
         return {"setup": setup, "arm": arm, "metrics": {k: {"mean": v, "std": 0.0, "n": 3} for k, v in metrics.items()}}
 
-    record = tmp_path / "benchmarks" / "results" / "reproduce"
+    record = tmp_path / "results" / "reproduce"
     assert sft_record_line(record) == ""
     rows = {"sft-tab1-2": [group(m, "energy", textures_auroc=20.04, id_top1=97.0) for m in ("resnet_tiny-bn", "resnet_tiny-gn")]
             + [group(m, "energy+sft", textures_auroc=95.96, id_top1=75.0, id_top1_change=-22.25)
@@ -103,7 +103,7 @@ def test_demo_sft_line_reads_the_committed_record(tmp_path):
         (record / experiment).mkdir(parents=True)
         (record / experiment / "result.json").write_text(json.dumps({"summary": summary}))
     line = sft_record_line(record)
-    assert line == ("The paper's step at small scale (benchmarks/results/reproduce/sft-tab1-2 and sft-pretrained): "
+    assert line == ("The paper's step at small scale (results/reproduce/sft-tab1-2 and sft-pretrained): "
                     "resnet_tiny-gn, 3 seeds: textures energy AUROC 20.0 -> 96.0, ID top-1 -22.2; resnet_tiny-gn-pretrained, "
                     "3 seeds: textures energy AUROC 50.0 -> 99.0, ID top-1 -0.5 (the paper: ID top-1 within 1 point).")
 

@@ -19,9 +19,9 @@ from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transfor
 from fastanchor.pipeline.datasets.imagefolder import load_rgb
 from fastanchor.trainer.build import load_for_inference, shift_sets
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.inference import predict
-from fastanchor.trainer.safety.evaluate import Outputs
-from fastanchor.trainer.metrics import auroc, fpr_at_tpr
+from fastanchor.trainer.predict import predict
+from fastanchor.evaluation.evaluate import Outputs
+from fastanchor.evaluation.metrics import auroc, fpr_at_tpr
 from PIL import Image
 
 FEW = {"eval.max_images": 12, "eval.num_references": 3, "eval.blt_candidates": 4, "eval.blt_residuals": 40,

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_main
-from fastanchor.benchmarks import fidelity_control as control
-from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.benchmarks import fidelity_control as control, readme as bench_readme
 from fastanchor.benchmarks.fidelity import (DEMO_BEGIN, DEMO_END, DEMO_TAG, README_BEGIN, README_END, config_knows,
                                             control_settings, demo_block, readme_block, trainer_config,
                                             training_precision)
@@ -108,7 +107,7 @@ def fidelity(tiny_dataset, out, *extra):
 
 
 def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
-    results, tmp_path = tmp_path, tmp_path / "fidelity"  # as benchmarks/results/fidelity
+    results, tmp_path = tmp_path, tmp_path / "fidelity"  # as results/fidelity
     precise = ("--set", "eval.recalibrate_bn=2")  # BatchNorm re-estimated on 2 batches: both arms follow it
     outcome = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2, *precise)
     assert outcome.returncode == 0, outcome.stderr[-3000:]
@@ -174,7 +173,7 @@ def test_committed_readme_fidelity_block_matches_committed_results():
     repo = Path(__file__).resolve().parents[1]
     text = (repo / "docs" / "fidelity.md").read_text()
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    expected = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo / "docs"))
+    expected = readme_block(repo / "results", lambda path: os.path.relpath(path, repo / "docs"))
     assert text[start:end] == expected, "docs/fidelity.md's fidelity block is stale: run `fastanchor bench readme`"
 
 
@@ -183,10 +182,10 @@ def test_committed_readme_demo_block_matches_committed_results():
     repo = Path(__file__).resolve().parents[1]
     text = (repo / "README.md").read_text()
     start, end = text.index(DEMO_BEGIN), text.index(DEMO_END) + len(DEMO_END)
-    expected = demo_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
+    expected = demo_block(repo / "results", lambda path: os.path.relpath(path, repo))
     assert text[start:end] == expected, "README's demo block is stale: run `fastanchor bench readme`"
     assert f"fidelity/{DEMO_TAG}/fidelity-cpu.md" in expected and "| masking |" in expected and "Not yet" not in expected
-    fidelity_rows = readme_block(repo / "benchmarks" / "results", lambda path: os.path.relpath(path, repo))
+    fidelity_rows = readme_block(repo / "results", lambda path: os.path.relpath(path, repo))
     for arm in ("standard", "vanilla", "masking"):  # the same means as the fidelity block's rows of that file
         row = next(line for line in expected.splitlines() if f"| {arm} |" in line)
         full = next(line for line in fidelity_rows.splitlines() if f"({DEMO_TAG}) | {arm} |" in line)

@@ -15,7 +15,7 @@ from fastanchor.benchmarks.sft_demo_table import header, sweep_rows
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.kernels.pseudo_ood import allowed_grids
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
-from fastanchor.trainer.safety import finetune_ood as sft
+from fastanchor.evaluation import finetune_ood as sft
 from fastanchor.trainer.build import eval_loader, load_for_inference, split_index
 from sklearn.metrics import roc_auc_score
 
@@ -154,7 +154,7 @@ def test_an_existing_summary_is_not_overwritten(runs, tmp_path):
 
 
 def test_the_committed_sft_sweep_table_is_generated_from_its_result_files():
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sft_demo"
+    folder = Path(__file__).resolve().parents[1] / "results" / "sft_demo"
     rows = sweep_rows(folder)
     assert len(rows) == 2 + len(list(folder.glob("*/*/summary.json"))) > 2
     assert (folder / "README.md").read_text() == header(folder) + "\n".join(rows) + "\n"
@@ -225,7 +225,8 @@ def test_every_ood_set_is_evaluated_before_and_after_and_the_losses_are_logged(r
 
 def test_every_sft_table_setting_is_a_valid_finetune_ood_config_and_its_summary_flattens(runs, tmp_path):
     from fastanchor.benchmarks.sft_tables import SFT_TABLES, overrides, table_values
-    from fastanchor.trainer.config import load_config, parse_override, set_value, validate
+    from fastanchor.trainer.config import load_config, set_value, validate
+    from fastanchor.options.recipes import parse_override
 
     for table, settings in SFT_TABLES.items():
         for setting in settings:

@@ -25,7 +25,7 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 
 from conftest import run_main, tiny_overrides  # noqa: E402
 from fastanchor import kernels  # noqa: E402
-from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader  # noqa: E402
+from fastanchor.pipeline.loaders.nvjpeg import NvjpegLoader  # noqa: E402
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor_backend, anchor_torch, anchor_triton  # noqa: E402
 from fastanchor.pipeline.augment.augmix import DeviceAugMix  # noqa: E402
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder  # noqa: E402

@@ -4,7 +4,7 @@ import torch
 
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.inference import predict
+from fastanchor.trainer.predict import predict
 
 
 class PixelProbe(torch.nn.Module):

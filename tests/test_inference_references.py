@@ -16,10 +16,11 @@ from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 from fastanchor.pipeline.datasets.imagefolder import load_rgb
 from fastanchor.trainer.build import build_training, inference_references, load_for_inference, resolve_device
-from fastanchor.trainer.checkpoint import load_checkpoint
+from fastanchor.trainer.checkpoint.file import load_checkpoint
 from fastanchor.trainer.config import DataConfig, config_from_dict
 from fastanchor.trainer.distributed import Processes
-from fastanchor.trainer.inference import BilinearTransduction, predict
+from fastanchor.evaluation.inference import BilinearTransduction
+from fastanchor.trainer.predict import predict
 
 EVAL = {"eval.max_images": 12, "eval.num_references": 3, "eval.blt_candidates": 4, "eval.blt_residuals": 40,
         "eval.corruptions": "[contrast]", "eval.corruptions_bar": "[]", "eval.plots": "false"}

@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_SPEC, run_main, tiny_overrides
 from fastanchor.errors import CheckpointError
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
-from fastanchor.trainer.checkpoint import load_checkpoint
+from fastanchor.trainer.checkpoint.file import load_checkpoint
 from fastanchor.trainer.initial_weights import classifier_parameter_names, freeze_backbone, load_initial_weights
 from fastanchor.trainer.models import create_model
 

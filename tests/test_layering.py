@@ -1,18 +1,22 @@
-"""Imports only go down: root utilities <- kernels <- pipeline <- trainer <- benchmarks, reproduce <- the CLI.
+"""Imports only go down: root utilities <- options <- kernels <- pipeline <- trainer <- evaluation <- benchmarks,
+reproduce <- the CLI.
 
 The layers, bottom first (a module may import its own layer and the layers below it, nothing above):
 
   root        fastanchor/__init__.py and the utility modules at the package root that every layer may
               use: errors.py (the error family), files.py (atomic file writing), progress.py (progress output)
+  options     fastanchor/options/: option(), flags generated from options dataclasses, recipe files; every
+              command declares its flags with it without importing anything heavier
   kernels     fastanchor/kernels/
   pipeline    fastanchor/pipeline/ (loaders/, beton/, datasets/, augment/, shifts/; the three loader files in
               loaders/ import nothing from each other, a test checks)
   trainer     fastanchor/trainer/, in parts that import only down too, bottom first:
                 models  trainer/models/ (factory.py: the model factory on surgery.py: first-layer surgery; one
                         file per network of fastanchor's own, importing neither)
-                core    the modules directly in trainer/ (config, build, the loop, checkpoints, metrics, inference)
-                safety  trainer/safety/ (evaluate, robustness, linear probe, SFT, and the figures they draw)
-                report  trainer/report/ (`fastanchor report`)
+                core    the modules directly in trainer/ (config, build, the loop, predict, SFT's fine-tuning) and
+                        trainer/checkpoint/ (the checkpoint file, training state, resume, run folder)
+  evaluation  fastanchor/evaluation/: measuring trained models (inference protocols, metrics, evaluate,
+              robustness, linear probe, SFT's before and after, the figures) and report/ (`fastanchor report`)
   benchmarks  fastanchor/benchmarks/ (benchmarks/cli.py included: the `bench` subcommand's parser and
               dispatch, which the CLI calls)
   reproduce   fastanchor/reproduce/ (`fastanchor reproduce`: the papers' experiments as sweeps of runs), on
@@ -44,12 +48,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fastanchor` package
 PACKAGE = "fastanchor"
-LAYERS = ("root", "kernels", "pipeline", "trainer", "benchmarks", "reproduce", "cli")
+LAYERS = ("root", "options", "kernels", "pipeline", "trainer", "evaluation", "benchmarks", "reproduce", "cli")
 ROOT_MODULES = {"fastanchor": "root", "fastanchor.errors": "root", "fastanchor.files": "root", "fastanchor.progress": "root",
                 "fastanchor.__main__": "cli"}
 CLI_MODULES = {"fastanchor.__main__", "fastanchor.benchmarks.__main__"}  # and every module under cli/
-SUBPACKAGES = ("kernels", "pipeline", "trainer", "benchmarks", "reproduce", "cli")
-TRAINER_PARTS = ("models", "core", "safety", "report")  # bottom first; "core": the modules directly in trainer/
+SUBPACKAGES = ("options", "kernels", "pipeline", "trainer", "evaluation", "benchmarks", "reproduce", "cli")
+TRAINER_PARTS = ("models", "core")  # bottom first; "core": the modules directly in trainer/ and trainer/checkpoint/
 
 
 @dataclass(frozen=True)
@@ -229,11 +233,11 @@ def test_reproduce_and_benchmarks_share_a_floor():
 
 def test_trainer_parts_only_import_down():
     assert [trainer_part_of(m) for m in ("fastanchor.trainer", "fastanchor.trainer.train", "fastanchor.trainer.models",
-                                         "fastanchor.trainer.models.wide_resnet", "fastanchor.trainer.safety.plots",
-                                         "fastanchor.trainer.report.tables", "fastanchor.pipeline.api")] == [
-        "core", "core", "models", "models", "safety", "report", None]
-    assert upward_trainer_imports([Import("fastanchor.trainer.build", "fastanchor.trainer.safety.evaluate", 3, True)]) == [
-        "fastanchor.trainer.build (trainer part core) imports fastanchor.trainer.safety.evaluate (trainer part safety) "
+                                         "fastanchor.trainer.models.wide_resnet", "fastanchor.trainer.checkpoint.state",
+                                         "fastanchor.evaluation.plots", "fastanchor.pipeline.api")] == [
+        "core", "core", "models", "models", "core", None, None]
+    assert upward_trainer_imports([Import("fastanchor.trainer.models.surgery", "fastanchor.trainer.build", 3, True)]) == [
+        "fastanchor.trainer.models.surgery (trainer part models) imports fastanchor.trainer.build (trainer part core) "
         "at line 3 (inside a function)"]
     problems = upward_trainer_imports(all_imports())
     assert not problems, ("trainer imports that point up (allowed: " + " <- ".join(TRAINER_PARTS) + "):\n"

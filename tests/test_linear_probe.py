@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.optimize import check_grad
 
-from fastanchor.trainer.safety.linear_probe import UNIFORM, fit_linear_probe, probe_objective, probe_problem
+from fastanchor.evaluation.linear_probe import UNIFORM, fit_linear_probe, probe_objective, probe_problem
 
 
 def direct_objective(theta, plain, labels, masked, alpha, l2, classes):

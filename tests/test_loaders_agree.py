@@ -199,7 +199,7 @@ def test_augment_hflip_reaches_the_training_and_fine_tuning_loaders(tiny_dataset
     `fastanchor finetune-ood` of that checkpoint too (augment.* comes from the checkpoint); the test
     above shows what each loader does with it."""
     from fastanchor.trainer import build  # build_training makes the training loop's loader
-    from fastanchor.trainer.safety import finetune_ood
+    from fastanchor.trainer import finetune_ood  # the fine-tuning's own loader
 
     built = []
     for module in (build, finetune_ood):

@@ -5,7 +5,8 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from fastanchor.trainer.metrics import auroc, energy_score, maxlogit_score, msp_score, topk_correct
+from fastanchor.evaluation.metrics import auroc, energy_score, maxlogit_score, msp_score
+from fastanchor.trainer.predict import topk_correct
 
 
 @pytest.mark.parametrize("seed", range(5))

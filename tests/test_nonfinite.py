@@ -6,7 +6,7 @@ import re
 import torch
 
 from conftest import run_main, tiny_overrides
-from fastanchor.trainer.checkpoint import checkpoint_name, list_checkpoints
+from fastanchor.trainer.checkpoint.file import checkpoint_name, list_checkpoints
 from test_bad_input import assert_one_line_error
 
 EXPLODING = {"data.batch_size": 8, "optim.name": "sgd", "optim.lr": "1e30", "train.threads": 1}  # 6 steps an epoch

@@ -9,8 +9,8 @@ import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer.models import DEMO_MODEL, create_model
 from fastanchor.trainer.build import load_for_inference
-from fastanchor.trainer.safety.finetune_ood import norm_layer_counts, sft_regime
-from fastanchor.trainer.safety.sam import normalization_parameters
+from fastanchor.trainer.finetune_ood import norm_layer_counts, sft_regime
+from fastanchor.trainer.sam import normalization_parameters
 from torch import nn
 
 NORM_MODELS = {"fastanchor_resnet_tiny_gn": nn.GroupNorm, "convnext_atto": nn.LayerNorm}

@@ -14,8 +14,8 @@ from PIL import Image
 from torchvision.io import decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
-from fastanchor.benchmarks.crops import random_resized_crop_box
-from fastanchor.benchmarks.nvjpeg_loader import NvjpegLoader
+from fastanchor.pipeline.loaders.crops import random_resized_crop_box
+from fastanchor.pipeline.loaders.nvjpeg import NvjpegLoader
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.spec import LoaderSpec
 

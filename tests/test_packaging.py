@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from fastanchor.trainer.config import recipe_names
+from fastanchor.options.recipes import recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("", "kernels", "pipeline", "pipeline/loaders", "pipeline/beton", "pipeline/datasets", "pipeline/augment", "pipeline/shifts",
-            "trainer", "trainer/models", "trainer/safety", "trainer/report", "benchmarks",
+PACKAGES = ("", "options", "kernels", "pipeline", "pipeline/loaders", "pipeline/beton", "pipeline/datasets", "pipeline/augment", "pipeline/shifts",
+            "trainer", "trainer/models", "trainer/checkpoint", "evaluation", "evaluation/report", "benchmarks",
             "reproduce", "cli")  # folders whose *.py are the modules
-DATA_FILES = ("trainer/safety/testbed_fits.json", "pipeline/shifts/imagenet_r_wnids.txt", "pipeline/shifts/c_bar_levels.json",
+DATA_FILES = ("evaluation/testbed_fits.json", "pipeline/shifts/imagenet_r_wnids.txt", "pipeline/shifts/c_bar_levels.json",
               "reproduce/paper_numbers/000.yaml", "reproduce/paper_numbers/002.yaml",
               "reproduce/paper_numbers/003.yaml")
 
@@ -30,7 +30,7 @@ def shipped_files() -> set[str]:
     """What the wheel must hold, from the checkout: every module, every recipe, the data files."""
     files = {p for folder in PACKAGES for p in (ROOT / folder).glob("*.py")}
     files |= set((ROOT / "configs").rglob("*.yaml")) | {ROOT / name for name in DATA_FILES}
-    testbeds = ROOT / "trainer" / "safety" / "testbeds"  # testbed fits shipped, with their per-example correctness
+    testbeds = ROOT / "evaluation" / "testbeds"  # testbed fits shipped, with their per-example correctness
     files |= set(testbeds.glob("*.json")) | set(testbeds.glob("*.npz"))
     return {"fastanchor/" + p.relative_to(ROOT).as_posix() for p in files}
 
@@ -82,7 +82,7 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
         assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-3000:]}"
         return result.stdout
 
-    located = run(sys.executable, "-c", "import fastanchor.pipeline.shifts.eval_sets as e, fastanchor.trainer.safety.effective_robustness as r\n"
+    located = run(sys.executable, "-c", "import fastanchor.pipeline.shifts.eval_sets as e, fastanchor.evaluation.effective_robustness as r\n"
                                         "print(e.__file__, len(e.imagenet_r_wnids()), sorted(r.shipped_baselines()), sep='\\n')")
     module, wnids, fits = located.splitlines()
     assert Path(module).is_relative_to(target)

@@ -7,8 +7,8 @@ import torch
 import torchvision
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.safety.features import PenultimateTap, classifier_layer, react_threshold
-from fastanchor.trainer.inference import BilinearTransduction, blt_choose
+from fastanchor.evaluation.features import PenultimateTap, classifier_layer, react_threshold
+from fastanchor.evaluation.inference import BilinearTransduction, blt_choose
 from fastanchor.trainer.models import ModelError, create_model
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import run_main
 from fastanchor.pipeline.datasets.imagenet_shaped import ImageNetShapedSpec, render_jpeg
-from fastanchor.trainer.config import RECIPE_DIR, ConfigError, load_config, recipe_names
+from fastanchor.options.recipes import RECIPE_DIR, recipe_names
+from fastanchor.trainer.config import ConfigError, load_config
 from fastanchor.cli.recipes import batch_for, launch_command, load_recipe, readme_block
 from fastanchor.trainer.schedule import lr_factor, peak_lr
 
@@ -216,7 +217,7 @@ def test_readme_recipe_tables_are_the_generated_ones(tmp_path):
         "docs/recipes.md's recipe tables are stale: run `fastanchor recipes --readme docs/recipes.md`"
     for name in RECIPES:
         assert f"`{name}`" in block
-    results = REPO / "benchmarks" / "results"
+    results = REPO / "results"
     for line in block.splitlines():
         if line.startswith("| `"):  # a recipe row: its throughput is measured in a committed result file, or said not to be
             cell = line.rstrip(" |").rsplit(" | ", 1)[1]

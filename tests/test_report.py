@@ -14,7 +14,7 @@ from browser import image_states
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.trainer.build import eval_loader, load_for_inference
-from fastanchor.trainer.safety.linear_probe import (
+from fastanchor.evaluation.linear_probe import (
     feature_extractor,
     features_of,
     fit_linear_probe,

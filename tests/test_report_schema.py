@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from browser import image_states
 from conftest import run_main
-from fastanchor.trainer.safety.plots import png_bytes
+from fastanchor.evaluation.plots import png_bytes
 from matplotlib.figure import Figure
 
 

@@ -429,7 +429,7 @@ def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
     with mid-epoch checkpoints, and every checkpoint's ER is the ER formula against the testbed's line."""
     from scipy.stats import linregress
 
-    from fastanchor.trainer.safety.effective_robustness import inverse_logit, logit
+    from fastanchor.evaluation.effective_robustness import inverse_logit, logit
 
     out = tmp_path / "out"
     args = ("--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress", "--record", tmp_path / "record")

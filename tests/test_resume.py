@@ -12,7 +12,7 @@ import torch
 
 from conftest import FASTANCHOR, run_main, tiny_overrides
 from fastanchor.errors import CheckpointError
-from fastanchor.trainer.checkpoint import (
+from fastanchor.trainer.checkpoint.file import (
     checkpoint_name,
     latest_checkpoint,
     list_checkpoints,
@@ -92,7 +92,7 @@ def kill_and_resume(data, tmp_path, settings: dict) -> dict:
 SAVER = """
 import sys, torch
 from pathlib import Path
-from fastanchor.trainer.checkpoint import checkpoint_name, prune_checkpoints, save_checkpoint
+from fastanchor.trainer.checkpoint.file import checkpoint_name, prune_checkpoints, save_checkpoint
 directory = Path(sys.argv[1])
 for step in range(1, 10_000):
     print(step, flush=True)  # about to save checkpoint `step`

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 from conftest import run_main, tiny_overrides
-from fastanchor.trainer.safety import robustness
+from fastanchor.evaluation import robustness
 
 SETS = ("--corruption", "gaussian_noise", "--baseline", "line:1,0")  # a given line: no fit, no testbed needed
 

@@ -4,7 +4,7 @@ float64 loops and cases worked by hand."""
 import numpy as np
 import pytest
 import relplot
-from fastanchor.trainer.metrics import (
+from fastanchor.evaluation.metrics import (
     aupr,
     binned_calibration_error,
     binned_ece,

@@ -14,9 +14,9 @@ from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import split_index, train_loader
 from fastanchor.trainer.config import load_config
-from fastanchor.trainer.safety.finetune_ood import finetune_mode, perturbed_parameters, sft_loss
+from fastanchor.trainer.finetune_ood import finetune_mode, perturbed_parameters, sft_loss
 from fastanchor.trainer.models import create_model
-from fastanchor.trainer.safety.sam import ascend, normalization_parameters, running_stats_frozen, sam_step
+from fastanchor.trainer.sam import ascend, normalization_parameters, running_stats_frozen, sam_step
 
 RHO = 0.5
 

@@ -17,8 +17,8 @@ from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.config import DataConfig
 from fastanchor.trainer.models import create_model
-from fastanchor.trainer.safety.finetune_ood import finetune_mode, perturbed_parameters, sft_loss
-from fastanchor.trainer.safety.sam import sam_step
+from fastanchor.trainer.finetune_ood import finetune_mode, perturbed_parameters, sft_loss
+from fastanchor.trainer.sam import sam_step
 from sklearn.metrics import roc_auc_score
 
 SETTINGS = dict(lr=0.01, momentum=0.9, weight_decay=1e-5, rho=0.5, ood_weight=1.0)

@@ -2,7 +2,7 @@
 embedded dataset) but for half its epochs (EPOCHS, so that `make test` stays under 10 minutes), then fine-tuned for
 50 steps with the recipe's SFT settings, keeps ID top-1 within 1 point while the weights do move. About three minutes
 on two CPU cores. The same property on the full recipe's models, over five data orders, is recorded in the
-demo_recipe rows of benchmarks/results/sft_demo/README.md (python -m fastanchor.benchmarks.sft_demo_sweep)."""
+demo_recipe rows of results/sft_demo/README.md (python -m fastanchor.benchmarks.sft_demo_sweep)."""
 
 import json
 

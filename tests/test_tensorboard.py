@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import run_main, tiny_overrides
-from fastanchor.trainer.checkpoint import checkpoint_name
+from fastanchor.trainer.checkpoint.file import checkpoint_name
 from fastanchor.trainer.tensorboard_log import TAGS
 
 pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")

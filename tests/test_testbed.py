@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 from conftest import run_main, tiny_overrides
-from fastanchor.trainer.safety.testbed import TINY_TESTBED, build_testbed
+from fastanchor.evaluation.testbed import TINY_TESTBED, build_testbed
 from scipy.special import logit
 from scipy.stats import linregress, norm
 

@@ -60,13 +60,13 @@ from fastanchor.pipeline.loaders.torchvision import (
     TorchvisionLoader,
     eval_transform,
 )
-from fastanchor.trainer.checkpoint import load_checkpoint
+from fastanchor.trainer.checkpoint.file import load_checkpoint
 from fastanchor.trainer.config import Config, DataConfig, config_from_dict, with_overrides
 from fastanchor.trainer.distributed import Processes, main_first
 from fastanchor.trainer.initial_weights import freeze_backbone, load_initial_weights
 from fastanchor.trainer.loss_window import LossWindow
 from fastanchor.trainer.models import create_model
-from fastanchor.trainer.resume import ResumePoint
+from fastanchor.trainer.checkpoint.resume import ResumePoint
 from fastanchor.trainer.schedule import lr_factor, peak_lr
 from fastanchor.trainer.step import TrainStep
 

@@ -1,38 +1,19 @@
-"""Configuration as data: dataclasses, YAML recipes, `key=value` overrides, validated once.
-
-A recipe is a YAML file with one mapping per section (``data``, ``model``, ``anchor``, ...).
-Recipes shipped under ``configs/`` are found by name (``demo``, ``imagenet/rn50_24_epochs``); any
-other path is read as a file. A recipe may name another as its ``base:`` (a name or a path relative
-to its own file; a list for several, later ones winning): the base's mapping is read first and the
-recipe's own sections are merged over it, key by key. An ``about:`` mapping describes the recipe
-(title, the published result it aims at, its source) for `fastanchor recipes`; training ignores it.
-``--set section.key=value`` overrides are parsed as YAML scalars or lists.
-"""
+"""The training configuration as data: one dataclass per section, applied from a recipe, a checkpoint or `--set`
+overrides, and validated once, at start-up, with one line naming the first bad value. How recipes are found and
+read (their `base:` chain) and how `option()` fields become flags: options/."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import yaml
 
 from fastanchor.errors import ConfigError, check_all
-
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-def option(default, help_text, **kwargs):
-    """A dataclass field with its default and its help (`--help`, `fastanchor train --help`), plus checks such as
-    `choices`; the config sections and every benchmark's options (benchmarks/options.py) are declared with it.
-    `help_text` is one line of at most 100 characters (tests/test_config.py): what the option is and its values;
-    the why goes in docs/."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help_text, **kwargs})
-    return field(default=default, metadata={"help": help_text, **kwargs})
+from fastanchor.options.flags import Overrides
+from fastanchor.options.option import option
+from fastanchor.options.recipes import (DEFAULT_RECIPE, coerce_value, parse_override, read_recipe, resolve_recipe,
+                                        unknown_key)
 
 
 @dataclass
@@ -252,49 +233,13 @@ def describe_options() -> str:
     return "\n".join(lines)
 
 
-def _coerce(key: str, value, f: dataclasses.Field, section_cls: type):
-    kind = typing.get_type_hints(section_cls)[f.name]
-    origin = typing.get_origin(kind) or kind
-    if origin is bool:
-        if isinstance(value, bool):
-            return value
-    elif origin is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif origin is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif origin is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        spelled = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
-        if spelled in (f.metadata.get("choices") or ()):  # YAML 1.1 reads `amp: off` as false
-            return spelled
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        return [value]
-    raise ConfigError(f"config key '{key}' expects {getattr(kind, '__name__', kind)}, got {value!r}")
-
-
-def _unknown(key: str, known: typing.Iterable[str]) -> ConfigError:
-    close = difflib.get_close_matches(key.split(".")[-1], list(known), n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else f" (known: {', '.join(known)})"
-    return ConfigError(f"unknown config key '{key}'{hint}")
-
-
 def apply_mapping(config: Config, mapping: dict, source: str) -> None:
     if not isinstance(mapping, dict):
         raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(mapping).__name__}")
     classes = _section_classes()
     for section, values in mapping.items():
         if section not in classes:
-            raise _unknown(str(section), classes)
+            raise unknown_key(str(section), classes)
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got {values!r}")
         for key, value in values.items():
@@ -305,84 +250,11 @@ def set_value(config: Config, dotted: str, value) -> None:
     classes = _section_classes()
     section, _, key = dotted.partition(".")
     if section not in classes or not key:
-        raise _unknown(dotted, [f"{s}.<key>" for s in classes])
+        raise unknown_key(dotted, [f"{s}.<key>" for s in classes])
     fields = _field_types(classes[section])
     if key not in fields:
-        raise _unknown(dotted, fields)
-    setattr(getattr(config, section), key, _coerce(dotted, value, fields[key], classes[section]))
-
-
-def parse_override(text: str) -> tuple[str, object]:
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' is not of the form section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
-RESERVED_KEYS = ("base", "about")  # recipe-file keys that are not config sections
-
-
-def recipe_names() -> list[str]:
-    """Every recipe shipped under configs/, by name (bases, whose file names start with '_', left out)."""
-    return sorted(p.relative_to(RECIPE_DIR).with_suffix("").as_posix() for p in RECIPE_DIR.rglob("*.yaml")
-                  if not p.name.startswith("_"))
-
-
-def resolve_recipe(recipe: str, relative_to: Path | None = None) -> Path:
-    """The file of a recipe: a name under configs/ (``imagenet/rn50_24_epochs``) or a YAML path
-    (relative to `relative_to`, the directory of the recipe naming it as its base, when given)."""
-    path = Path(recipe)
-    if relative_to is not None and not path.is_absolute():
-        path = relative_to / path
-    if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            raise ConfigError(f"recipe file '{path}' does not exist")
-        return path
-    named = RECIPE_DIR / f"{recipe}.yaml"
-    if named.is_file():
-        return named
-    if path.is_file():
-        return path
-    close = difflib.get_close_matches(recipe, recipe_names(), n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else "`fastanchor recipes` lists them"
-    raise ConfigError(f"unknown recipe '{recipe}': expected a YAML file or a recipe name under configs/ ({hint})")
-
-
-def merge_mappings(base: dict, override: dict) -> dict:
-    """`override` merged over `base`: nested mappings key by key, anything else replaced."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_mappings(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def read_recipe(recipe: str, relative_to: Path | None = None, _chain: tuple[Path, ...] = ()) -> dict:
-    """The recipe's mapping with its bases merged in (``base`` removed; ``about`` kept)."""
-    path = resolve_recipe(recipe, relative_to).resolve()
-    if path in _chain:
-        cycle = " -> ".join(str(p) for p in (*_chain, path))
-        raise ConfigError(f"recipe '{path}' is its own base: {cycle}")
-    try:
-        mapping = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"recipe '{path}' is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(mapping, dict):
-        raise ConfigError(f"recipe '{path}': expected a mapping of sections ({', '.join(SECTIONS)}), got {type(mapping).__name__}")
-    bases = mapping.pop("base", [])
-    bases = [bases] if isinstance(bases, str) else bases
-    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
-        raise ConfigError(f"recipe '{path}': base = {bases!r}: expected a recipe name or file, or a list of them")
-    merged: dict = {}
-    for base in bases:
-        merged = merge_mappings(merged, read_recipe(base, path.parent, (*_chain, path)))
-    return merge_mappings(merged, mapping)
+        raise unknown_key(dotted, fields)
+    setattr(getattr(config, section), key, coerce_value(dotted, value, fields[key], classes[section]))
 
 
 def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -419,7 +291,7 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-# Each section's own values, as (option, ok, what is expected) rows (the `Checked` rows of trainer/flags.py); a bad
+# Each section's own values, as (option, ok, what is expected) rows (the `Checked` rows of options/flags.py); a bad
 # one is the line '<section>.<option> = <value>: expected <what>'. Rows are yielded, so a row is only evaluated once
 # the rows before it passed, as a sequence of checks would be.
 
@@ -588,3 +460,15 @@ def validate(config: Config) -> None:
     for ok, message in _agreement_checks(config):
         _check(ok, message)
     _check_known(config)
+
+
+@dataclass
+class _RecipeName:
+    config: str = option("", f"recipe: a name under configs/ or a YAML file (default: {DEFAULT_RECIPE})", metavar="CONFIG")
+
+
+@dataclass
+class Recipe(Overrides, _RecipeName):  # mixins are listed last-flag-first: --config, then --set
+    def load(self) -> Config:
+        """The recipe with the --set overrides, validated."""
+        return load_config(self.config or DEFAULT_RECIPE, self.overrides)

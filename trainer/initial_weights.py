@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fastanchor.errors import CheckpointError, ConfigError
-from fastanchor.trainer.checkpoint import FORMAT
+from fastanchor.trainer.checkpoint.file import FORMAT
 from fastanchor.trainer.models import find_first_layers
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile

@@ -26,7 +26,7 @@ from fastanchor.pipeline.loaders.support import evaluation_is_sharded, iterate_f
 from fastanchor.progress import progress_bar, write
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import Training, build_training, make_deterministic, resolve_device, seed_everything
-from fastanchor.trainer.checkpoint import checkpoint_name, remove_temporaries, set_aside_newer
+from fastanchor.trainer.checkpoint.file import checkpoint_name, remove_temporaries, set_aside_newer
 from fastanchor.trainer.config import Config
 from fastanchor.trainer.distributed import (
     Processes,
@@ -36,12 +36,12 @@ from fastanchor.trainer.distributed import (
     start_processes,
     stop_processes,
 )
-from fastanchor.trainer.inference import predict
-from fastanchor.trainer.metrics import topk_correct
-from fastanchor.trainer.resume import ResumePoint, check_same_processes, find_resume_point, restore_rng
-from fastanchor.trainer.run_folder import MetricsLog, RunFolder
+from fastanchor.trainer.predict import predict
+from fastanchor.trainer.predict import topk_correct
+from fastanchor.trainer.checkpoint.resume import ResumePoint, check_same_processes, find_resume_point, restore_rng
+from fastanchor.trainer.checkpoint.run_folder import MetricsLog, RunFolder
 from fastanchor.trainer.schedule import training_resolution
-from fastanchor.trainer.training_state import Progress, TrainingState
+from fastanchor.trainer.checkpoint.state import Progress, TrainingState
 
 
 @torch.no_grad()

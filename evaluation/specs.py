@@ -1,6 +1,6 @@
 """What `linear_probe` and `robustness_over_training` are asked to do, as options (defaults, one-line help,
 checks): the one declaration that the library functions take and `fastanchor linear-probe` and
-`fastanchor robustness` turn into flags (trainer/flags.py). No torch import here: `--help` stays fast;
+`fastanchor robustness` turn into flags (options/flags.py). No torch import here: `--help` stays fast;
 the checks import what they need when they run."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
-from fastanchor.trainer.config import option
-from fastanchor.trainer.flags import Overrides
+from fastanchor.options.option import option
+from fastanchor.options.flags import Overrides
 
 DEFAULT_BASELINE = "auto"
 

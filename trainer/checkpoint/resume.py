@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from fastanchor.errors import CheckpointError, ConfigError
-from fastanchor.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from fastanchor.trainer.checkpoint.file import latest_checkpoint, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, with_overrides
-from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 CHANGEABLE = (
     "train.progress", "train.tensorboard", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
-from fastanchor.benchmarks.crops import random_resized_crop_box
+from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, IndexedFiles
 from fastanchor.pipeline.loaders.spec import LoaderSpec, checked_spec
 from fastanchor.pipeline.references import to_device_async

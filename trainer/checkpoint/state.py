@@ -14,10 +14,10 @@ import torch
 
 from fastanchor.errors import TrainingError
 from fastanchor.pipeline.anchoring import AnchoringStage
-from fastanchor.trainer.checkpoint import checkpoint_name, prune_checkpoints, save_checkpoint
+from fastanchor.trainer.checkpoint.file import checkpoint_name, prune_checkpoints, save_checkpoint
 from fastanchor.trainer.distributed import Processes, gather_to_main
 from fastanchor.trainer.loss_window import LossWindow, nonfinite_tensors
-from fastanchor.trainer.resume import capture_rng
+from fastanchor.trainer.checkpoint.resume import capture_rng
 from fastanchor.trainer.step import TrainStep
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from fastanchor.errors import DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 BINS = 100
 
@@ -66,7 +66,7 @@ def read_run(run_dir: Path) -> dict:
 
 def summarise_groups(groups: dict[str, list[str | Path]], out: str | Path, bins: int = BINS) -> dict:
     """Bin every group's runs over a shared ID-accuracy range, write er_summary.{json,md,png} into `out`."""
-    from fastanchor.trainer.safety.plots import binned_er_chart, write_png
+    from fastanchor.evaluation.plots import binned_er_chart, write_png
 
     out = Path(out)
     data = {label: [read_run(r) for r in runs] for label, runs in groups.items()}

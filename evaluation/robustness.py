@@ -13,8 +13,8 @@ the ID set under seeded corruptions at one severity, with the checkpoint's `eval
 (OOD accuracy = mean top-1 over the corruptions).
 
 The default baseline (`auto`) is a testbed line: the published one for the pair when there is one
-(trainer/safety/testbed_fits.json: CIFAR-10 -> CIFAR-10.1, ImageNet -> ImageNetV2), else a testbed fit
-file of this project (trainer/safety/testbed.py) measured on the same ID and OOD sets.
+(evaluation/testbed_fits.json: CIFAR-10 -> CIFAR-10.1, ImageNet -> ImageNetV2), else a testbed fit
+file of this project (evaluation/testbed.py) measured on the same ID and OOD sets.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_imag
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.loaders.torchvision import Corruption
 from fastanchor.trainer.build import eval_loader
-from fastanchor.trainer.checkpoint import list_checkpoints
-from fastanchor.trainer.safety.effective_robustness import (
+from fastanchor.trainer.checkpoint.file import list_checkpoints
+from fastanchor.evaluation.effective_robustness import (
     TESTBED_FITS,
     Baseline,
     accuracy_on_unsolved_by_others,
@@ -52,10 +52,10 @@ from fastanchor.trainer.safety.effective_robustness import (
     solved_among,
     unsolved_by_testbed,
 )
-from fastanchor.trainer.safety.evaluate import checkpoint_references, collect
+from fastanchor.evaluation.evaluate import checkpoint_references, collect
 from fastanchor.trainer.build import load_for_inference, resolve_device
-from fastanchor.trainer.run_folder import RunFolder
-from fastanchor.trainer.safety.specs import DEFAULT_BASELINE, RobustnessSpec
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
+from fastanchor.evaluation.specs import DEFAULT_BASELINE, RobustnessSpec
 
 CHART_NAME = "robustness_over_training.png"
 FIT_TO_RUNS = "fit-to-given-runs"
@@ -129,7 +129,7 @@ def describe_pair(run: dict) -> str:
 
 
 def testbed_candidates(run_dirs: list[Path]) -> list[Path]:
-    """Testbed fit files the auto baseline may take: shipped ones (trainer/safety/testbeds/), and any found in,
+    """Testbed fit files the auto baseline may take: shipped ones (evaluation/testbeds/), and any found in,
     or one or two folders below, the folder holding the runs and the folder above it."""
     found = sorted(SHIPPED_TESTBEDS.glob("*.json")) if SHIPPED_TESTBEDS.is_dir() else []
     if run_dirs:
@@ -450,7 +450,7 @@ def write_correctness(path: Path, run: dict, correctness: dict) -> None:
 def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device: str = "auto",
                              chart: Path | None = None) -> tuple[list[dict], Path]:
     """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart."""
-    from fastanchor.trainer.safety.plots import effective_robustness_chart, run_label, write_png
+    from fastanchor.evaluation.plots import effective_robustness_chart, run_label, write_png
 
     check_spec(spec)
     names = [Path(r).name for r in run_dirs]

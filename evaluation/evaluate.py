@@ -52,9 +52,10 @@ from fastanchor.trainer.build import (
     train_loader,
 )
 from fastanchor.trainer.config import Config
-from fastanchor.trainer.safety.features import PenultimateTap, react_threshold
-from fastanchor.trainer.inference import BilinearTransduction, predict
-from fastanchor.trainer.metrics import (
+from fastanchor.evaluation.features import PenultimateTap, react_threshold
+from fastanchor.evaluation.inference import BilinearTransduction
+from fastanchor.trainer.predict import predict, topk_correct
+from fastanchor.evaluation.metrics import (
     aupr,
     auroc,
     binned_ece,
@@ -65,10 +66,9 @@ from fastanchor.trainer.metrics import (
     msp_score,
     negative_log_likelihood,
     smooth_ece,
-    topk_correct,
 )
 from fastanchor.trainer.models import ModelError
-from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 from fastanchor.trainer.tensorboard_log import EventLog
 
 CONVENTIONS = {
@@ -526,7 +526,7 @@ def severity_means(shift_results: dict) -> dict:
 
 
 def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_values: dict | None, bins: int) -> dict:
-    from fastanchor.trainer.safety.plots import reliability_diagram, score_histogram_panels, severity_chart, write_png
+    from fastanchor.evaluation.plots import reliability_diagram, score_histogram_panels, severity_chart, write_png
 
     run = RunFolder.of_checkpoint(checkpoint)
     folder = run.plots_of(checkpoint)

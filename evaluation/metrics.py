@@ -8,13 +8,6 @@ import numpy as np
 import torch
 
 
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict[int, int]:
-    """Number of samples whose label is among the k highest logits, for each k."""
-    top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
-    hits = top == labels.view(-1, 1)
-    return {k: int(hits[:, :k].any(dim=-1).sum()) for k in ks}
-
-
 def energy_score(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Negative free energy T * logsumexp(logits / T): higher means more in-distribution."""
     return temperature * torch.logsumexp(logits.float() / temperature, dim=-1)

@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from fastanchor.files import atomic_write_bytes
-from fastanchor.trainer.safety.effective_robustness import Baseline
+from fastanchor.evaluation.effective_robustness import Baseline
 
 STANDARD_COLOURS = ("#1f4e79", "#4f81bd", "#7fa7d9", "#9dc3e6")
 ANCHORED_COLOURS = ("#c0504d", "#e46c0a", "#f79646", "#d99694")
@@ -228,7 +228,7 @@ def score_histogram_panels(id_scores: dict[str, np.ndarray], ood_scores: dict[st
 def reliability_diagram(groups: dict[str, tuple[np.ndarray, np.ndarray]], bins: int = 15) -> bytes:
     """Smoothed reliability curves (at smECE's bandwidth) of each group of (confidences, outcomes), the
     first group's binned accuracies as dots, and the confidence densities below."""
-    from fastanchor.trainer.metrics import binned_calibration_error, reliability_curve
+    from fastanchor.evaluation.metrics import binned_calibration_error, reliability_curve
 
     fig = Figure(figsize=(5.5, 6.4))
     curve_axis, density_axis = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)

@@ -1,7 +1,7 @@
 """Options dataclasses -> command-line flags, and the options several commands share.
 
 Every command's options (`fastanchor COMMAND`, `fastanchor bench WHAT`) are a dataclass whose fields are
-declared with `option()` (trainer/config.py), as the config sections are. `add_options` turns the fields
+declared with `option()` (options/option.py), as the config sections are. `add_options` turns the fields
 into argparse flags, one rule for all: a field `some_name` is the flag `--some-name` (or the `flag` its
 option names; a tuple of flags: the first, then other names it answers to); a bool is `--x/--no-x`; a list is a repeatable flag (or, with `positional=True`, one or
 more positional arguments, or one where the field is not a list); `required`, `metavar` and `choices` pass through; the help is the option's
@@ -9,8 +9,8 @@ one line, with its default where it has one. `options_from` reads the parsed val
 dataclass. No torch import here: `--help` stays fast.
 
 The options shared by several commands are declared once, here, and mixed into the commands' options:
-`Overrides` (--set), `Recipe` (--config, --set), `OnDevice` (--device), `FromCheckpoint`
-(--checkpoint, --device, --set); `Checked` is how options check themselves (`validate()`, one line naming the flag).
+`Overrides` (--set), `OnDevice` (--device), `FromCheckpoint` (--checkpoint, --device, --set). `Recipe`
+(--config, --set), which loads a Config, is trainer/config.py's.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from fastanchor.errors import check_all
-from fastanchor.trainer.config import Config, load_config, option
-
-DEFAULT_RECIPE = "demo"
+from fastanchor.options.option import option
 
 
 def shown_default(value) -> str:
@@ -64,17 +61,6 @@ def options_from(cls: type, args: argparse.Namespace):
     return cls(**{name: value for name, value in values.items() if value is not None})  # None: an unrepeated list
 
 
-class Checked:
-    """Options checked once before anything runs: `checks()` lists (option, ok, what is expected); `validate()` raises
-    ConfigError naming the first bad one by its flag. A subclass adds its checks to `super().checks()`."""
-
-    def checks(self) -> list[tuple[str, bool, str]]:
-        return []
-
-    def validate(self) -> None:
-        check_all(self.checks(), lambda name: f"--{name.replace('_', '-')} = {getattr(self, name)!r}")
-
-
 @dataclass
 class Overrides:
     overrides: list = option([], "override one option, e.g. --set data.workers=0 (repeatable; `fastanchor train --help` lists them)",
@@ -84,18 +70,6 @@ class Overrides:
 @dataclass
 class OnDevice:
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-
-
-@dataclass
-class _RecipeName:
-    config: str = option("", f"recipe: a name under configs/ or a YAML file (default: {DEFAULT_RECIPE})", metavar="CONFIG")
-
-
-@dataclass
-class Recipe(Overrides, _RecipeName):  # mixins are listed last-flag-first: --config, then --set
-    def load(self) -> Config:
-        """The recipe with the --set overrides, validated."""
-        return load_config(self.config or DEFAULT_RECIPE, self.overrides)
 
 
 @dataclass

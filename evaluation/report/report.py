@@ -22,8 +22,8 @@ import yaml
 
 from fastanchor.errors import DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.trainer.safety import plots
-from fastanchor.trainer.report.tables import (
+from fastanchor.evaluation import plots
+from fastanchor.evaluation.report.tables import (
     RunResults,
     Table,
     all_tables,
@@ -34,7 +34,7 @@ from fastanchor.trainer.report.tables import (
     benchmark_severity_means,
     table_cells,
 )
-from fastanchor.trainer.run_folder import RunFolder
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 SCORES_FILE = "ood_scores.npz"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

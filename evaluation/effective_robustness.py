@@ -125,7 +125,7 @@ def _shipped() -> dict:
 
 
 def shipped_baselines() -> dict[str, Baseline]:
-    """The published testbed lines shipped with fastanchor (trainer/safety/testbed_fits.json), by name."""
+    """The published testbed lines shipped with fastanchor (evaluation/testbed_fits.json), by name."""
     return {name: Baseline(a=f["a"], b=f["b"], transform=f["transform"], name=name,
                            source=f"{f['id_set']} -> {f['ood_set']}: {f['source']}")
             for name, f in _shipped()["fits"].items()}
@@ -159,7 +159,7 @@ TESTBED_FORMAT = "fastanchor-testbed-v1"
 
 
 def read_testbed_file(path: str | Path) -> dict:
-    """A testbed fit file written by trainer/safety/testbed.py (JSON: the sets, every model's accuracies, the fits)."""
+    """A testbed fit file written by evaluation/testbed.py (JSON: the sets, every model's accuracies, the fits)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -171,7 +171,7 @@ def read_testbed_file(path: str | Path) -> dict:
 
 
 def read_testbed(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """A testbed's (ID, OOD) accuracies as fractions: a testbed fit file (JSON, trainer/safety/testbed.py; its
+    """A testbed's (ID, OOD) accuracies as fractions: a testbed fit file (JSON, evaluation/testbed.py; its
     clipped accuracies) or a CSV with a header naming `id_top1` and `ood_top1` columns (percent), one model a row."""
     path = Path(path)
     if not path.is_file():

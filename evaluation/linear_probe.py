@@ -42,10 +42,10 @@ from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.progress import progress_bar
 from fastanchor.pipeline.loaders.torchvision import Corruption
 from fastanchor.trainer.build import eval_loader, reference_images
-from fastanchor.trainer.safety.evaluate import checkpoint_references, reference_set_record
+from fastanchor.evaluation.evaluate import checkpoint_references, reference_set_record
 from fastanchor.trainer.build import load_for_inference, resolve_device
-from fastanchor.trainer.run_folder import RunFolder
-from fastanchor.trainer.safety.specs import ProbeSpec
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
+from fastanchor.evaluation.specs import ProbeSpec
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ in probit space with R^2, and writes into its output folder:
 
 `fastanchor robustness --baseline testbed:<out>/testbed_fit.json` reads it (and its per-example file, for
 the dominance probability and the examples no testbed model gets right); with `--baseline auto` it is
-found when it lies beside the runs (see robustness.py) or under trainer/safety/testbeds/.
+found when it lies beside the runs (see robustness.py) or under evaluation/testbeds/.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.trainer.config import load_config
-from fastanchor.trainer.run_folder import RunFolder
-from fastanchor.trainer.safety.effective_robustness import TESTBED_FORMAT, TRANSFORMS, fit_baseline
-from fastanchor.trainer.safety.robustness import (
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
+from fastanchor.evaluation.effective_robustness import TESTBED_FORMAT, TRANSFORMS, fit_baseline
+from fastanchor.evaluation.robustness import (
     TESTBED_CORRECT_NAME,
     TESTBED_FIT_NAME,
     RobustnessSpec,
@@ -86,7 +86,7 @@ def build_testbed(out: str | Path, members: dict[str, Sequence[str]] | None = No
     """Train (or find) every member, evaluate it on `spec`'s ID and OOD sets, fit the lines, write the files
     listed in the module docstring; return the content of testbed_fit.json."""
     from fastanchor.trainer.build import resolve_device
-    from fastanchor.trainer.safety.plots import testbed_chart, write_png
+    from fastanchor.evaluation.plots import testbed_chart, write_png
     from fastanchor.trainer.train import train
 
     out = Path(out)
