@@ -26,34 +26,48 @@ RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "demo"  # what `fastanchor train` and the commands with --config use without one
 
 
+_MISSING = object()
+
+
+def _scalar(kind, value, choices):
+    """`value` as a `kind` (bool, int, float, str) where YAML or a --set text may have read it as another, else
+    _MISSING."""
+    if kind is bool:
+        return value if isinstance(value, bool) else _MISSING
+    if isinstance(value, bool):  # YAML 1.1 reads `amp: off` as false
+        spelled = {False: "off", True: "on"}[value]
+        return spelled if kind is str and spelled in (choices or ()) else _MISSING
+    if kind is int:
+        return value if isinstance(value, int) else _MISSING
+    if kind is float:
+        try:  # YAML 1.1 reads 1e-4 (no dot) as a string
+            return float(value) if isinstance(value, (int, float, str)) else _MISSING
+        except ValueError:
+            return _MISSING
+    if kind is str:
+        return str(value) if isinstance(value, (str, int, float)) else _MISSING
+    return value
+
+
 def coerce_value(key: str, value, f: dataclasses.Field, section_cls: type):
+    """`value` as the type the option declares (`list[float]`: a list whose every item is a float; one value for a
+    list option is a list of one); ConfigError naming the key, the type and the value otherwise."""
     kind = typing.get_type_hints(section_cls)[f.name]
     origin = typing.get_origin(kind) or kind
-    if origin is bool:
-        if isinstance(value, bool):
-            return value
-    elif origin is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif origin is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif origin is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        spelled = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
-        if spelled in (f.metadata.get("choices") or ()):  # YAML 1.1 reads `amp: off` as false
-            return spelled
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        return [value]
-    raise ConfigError(f"config key '{key}' expects {getattr(kind, '__name__', kind)}, got {value!r}")
+    choices = f.metadata.get("choices")
+    if origin is list:
+        (item,) = typing.get_args(kind) or (object,)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        items = [v if item is float and type(v) is int else _scalar(item, v, None) for v in values]  # [30, 60] stays
+        if all(v is not _MISSING for v in items):
+            return items
+        expected = f"a list of {item.__name__}"
+    else:
+        coerced = _scalar(origin, value, choices)
+        if coerced is not _MISSING:
+            return coerced
+        expected = getattr(kind, "__name__", kind)
+    raise ConfigError(f"config key '{key}' expects {expected}, got {value!r}")
 
 
 def unknown_key(key: str, known: typing.Iterable[str]) -> ConfigError:

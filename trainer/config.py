@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -14,6 +15,10 @@ from fastanchor.options.flags import Overrides
 from fastanchor.options.option import option
 from fastanchor.options.recipes import (DEFAULT_RECIPE, coerce_value, parse_override, read_recipe, resolve_recipe,
                                         unknown_key)
+
+
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")  # what torch.device is handed
+SEED_RANGE = "0 to 2**32 - 1 (numpy's seeds)"
 
 
 @dataclass
@@ -109,14 +114,14 @@ class OptimConfig:
     lr_batch: int = option(0, "global batch optim.lr was tuned at; the rate is scaled linearly to the actual one (0: as given)")
     momentum: float = option(0.9, "SGD momentum")
     nesterov: bool = option(True, "Nesterov momentum for SGD")
-    betas: list = option([0.9, 0.999], "AdamW betas")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas")
     weight_decay: float = option(5e-4, "weight decay (never applied to norms and biases)")
     label_smoothing: float = option(0.0, "label smoothing of the hard-label targets")
     schedule: str = option("cosine", "learning-rate schedule after warmup", choices=("cosine", "step", "linear_ramp", "constant"))
     warmup_epochs: float = option(1.0, "linear warmup length in epochs (cosine, step, constant)")
     warmup_start: float = option(0.0, "warmup's starting fraction of the peak rate (torchvision's --lr-warmup-decay; 0: just above zero)")
     min_lr_ratio: float = option(0.0, "cosine: the rate decays to this fraction of the peak (torchvision's --lr-min divided by --lr)")
-    milestones: list = option([30, 60, 80], "epochs at which the step schedule multiplies the rate by gamma")
+    milestones: list[float] = option([30, 60, 80], "epochs at which the step schedule multiplies the rate by gamma")
     gamma: float = option(0.1, "step-schedule decay factor")
     ramp_peak_epoch: float = option(2.0, "linear_ramp: epoch of the peak (linear up from lr*ramp_start, then linear down to 0)")
     ramp_start: float = option(0.1, "linear_ramp: starting fraction of the peak rate")
@@ -149,11 +154,11 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    corruptions: list = option(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
-    corruptions_bar: list = option(["blue_noise_sample", "checkerboard_cutout"], "C-bar corruptions applied on the fly to the validation split")
+    corruptions: list[str] = option(["gaussian_noise", "defocus_blur", "contrast", "jpeg_compression"], "ImageNet-C corruptions applied on the fly to the validation split (imagecorruptions names)")
+    corruptions_bar: list[str] = option(["blue_noise_sample", "checkerboard_cutout"], "C-bar corruptions applied on the fly to the validation split")
     corruption_bar_parameters: str = option("imagenet-c-bar", "set and levels of eval.corruptions_bar: ImageNet-C-bar's (224 px) or CIFAR-10-C-bar's (32 px)", choices=("imagenet-c-bar", "cifar-10-c-bar"))
     corruption_parameters: str = option("imagenet-c", "parameters of eval.corruptions: ImageNet-C's (224 px images) or CIFAR-10-C's (32 px)", choices=("imagenet-c", "cifar-10-c"))
-    severities: list = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
+    severities: list[int] = option([2, 4], "corruption severities (1 to 5), for on-the-fly corruptions and pre-generated trees alike")
     num_references: int = option(10, "K references per test sample for the mean prediction and the std score (anchored models)")
     ood_references: int = option(1, "references per sample behind the anomaly scores: 1 (the paper) or K > 1 (mean logits)")
     seed: int = option(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
@@ -167,8 +172,8 @@ class EvalConfig:
     cifar_c_root: str = option("", "CIFAR-10/100-C folder of <corruption>.npy (5 severities x N) and labels.npy ('' to skip)")
     cifar_c_bar_root: str = option("", "CIFAR-10/100-C-bar folder, laid out as eval.cifar_c_root ('' to skip)")
     imagenet_r: str = option("", "ImageNet-R ImageFolder, evaluated with the 200-class logit mask ('' to skip)")
-    datasets: list = option([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
-    ood_sets: list = option([], "OOD ImageFolders besides data.ood_split (e.g. Textures, NINCO), as name=path")
+    datasets: list[str] = option([], "other shifted ImageFolders with the checkpoint's classes (e.g. ImageNet-Sketch), as name=path")
+    ood_sets: list[str] = option([], "OOD ImageFolders besides data.ood_split (e.g. Textures, NINCO), as name=path")
     ood_positive: str = option("id", "positive class of AUPR and FPR95: id (SFT/RankFeat papers) or ood (pytorch-ood, OpenOOD v1.5)", choices=("id", "ood"))
     react_percentile: float = option(90.0, "ReAct: clip penultimate activations at this percentile of their values on the reference set")
     ece_bins: int = option(15, "equal-width confidence bins of the binned ECE")
@@ -186,7 +191,7 @@ class FinetuneOODConfig:
     weight_decay: float = option(1e-5, "weight decay of the descent step (on every parameter)")
     rho: float = option(0.5, "SAM perturbation radius: the ascent moves the perturbed parameters by rho in L2 norm")
     ood_weight: float = option(1.0, "lambda: weight of the pseudo-OOD loss (distance to uniform) added to the ID cross-entropy")
-    jigsaw_grids: list = option([2, 3, 5, 10, 15, 30, 60], "jigsaw grids (patches per side), one drawn per step; grids larger than the image are left out")
+    jigsaw_grids: list[int] = option([2, 3, 5, 10, 15, 30, 60], "jigsaw grids (patches per side), one drawn per step; grids larger than the image are left out")
     batchnorm: str = option("id_batches", "BatchNorm: id_batches (only ID batches update running stats), keep (no update) or frozen (eval mode)", choices=("id_batches", "keep", "frozen"))
     seed: int = option(0, "seed of the data order, pseudo-OOD shuffles and references while fine-tuning")
 
@@ -334,6 +339,11 @@ def _optim_checks(o: OptimConfig):
     yield "lr_batch", o.lr_batch >= 0, "a global batch size >= 1, or 0 to use optim.lr as given"
     yield "milestones", all(isinstance(m, (int, float)) and m >= 0 for m in o.milestones), "epochs >= 0"
     yield "betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "two values in [0, 1)"
+    yield "momentum", 0.0 <= o.momentum < 1.0, "[0, 1)"
+    yield "gamma", o.gamma > 0, "> 0"
+    yield "ramp_peak_epoch", o.ramp_peak_epoch >= 0, ">= 0 epochs"
+    yield "ramp_start", 0.0 <= o.ramp_start <= 1.0, "a fraction in [0, 1]"
+    yield "grad_clip", o.grad_clip >= 0, ">= 0 (0 disables clipping)"
 
 
 def _augment_checks(g: AugmentConfig):
@@ -355,7 +365,9 @@ def _train_checks(t: TrainConfig):
     yield "checkpoint_interval", t.checkpoint_interval >= 0, ">= 0 steps (0: end of epoch only)"
     yield "keep_checkpoints", t.keep_checkpoints >= 0, ">= 0 (0 keeps all)"
     yield "max_steps", t.max_steps >= 0, ">= 0 (0: train every epoch)"
-    yield "device", t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), "auto, cpu, cuda or cuda:N"
+    yield "device", DEVICE.fullmatch(t.device) is not None, "auto, cpu, cuda or cuda:N (N a device number)"
+    yield "seed", 0 <= t.seed < 2**32, SEED_RANGE
+    yield "threads", t.threads >= 0, ">= 0 (0 keeps torch's default)"
 
 
 def _eval_checks(e: EvalConfig):
@@ -367,9 +379,12 @@ def _eval_checks(e: EvalConfig):
     yield "react_percentile", 0.0 < e.react_percentile <= 100.0, "a percentile in (0, 100]"
     yield "ece_bins", e.ece_bins >= 1, ">= 1"
     yield "max_images", e.max_images >= 0, ">= 0 (0: all images)"
+    yield "seed", 0 <= e.seed < 2**32, SEED_RANGE
+    yield "recalibrate_bn", e.recalibrate_bn >= 0, ">= 0 batches (0: the statistics as saved)"
 
 
 def _finetune_ood_checks(f: FinetuneOODConfig):
+    yield "seed", 0 <= f.seed < 2**32, SEED_RANGE
     yield "steps", f.steps >= 1, ">= 1"
     yield "lr", f.lr > 0, "> 0"
     yield "momentum", 0.0 <= f.momentum < 1.0, "[0, 1)"
@@ -383,11 +398,21 @@ def _finetune_ood_checks(f: FinetuneOODConfig):
 
 def _embedded_checks(emb: EmbeddedConfig):
     yield "image_size", 32 <= emb.image_size <= 256, "32 to 256 pixels"
+    yield "seed", 0 <= emb.seed < 2**32, SEED_RANGE
+    yield "num_classes", emb.num_classes >= 2, ">= 2 classes"
+    yield "train_per_class", emb.train_per_class >= 1, ">= 1 image"
+    yield "val_per_class", emb.val_per_class >= 1, ">= 1 image"
+    yield "ood_per_class", emb.ood_per_class >= 0, ">= 0 images"
+    yield "jpeg_quality", 1 <= emb.jpeg_quality <= 100, "1 to 100"
+
+
+def _model_checks(m: ModelConfig):
+    yield "drop_rate", 0.0 <= m.drop_rate < 1.0, "a probability in [0, 1)"
 
 
 SECTION_CHECKS = {"anchor": _anchor_checks, "data": _data_checks, "optim": _optim_checks, "augment": _augment_checks,
                   "train": _train_checks, "eval": _eval_checks, "finetune_ood": _finetune_ood_checks,
-                  "embedded": _embedded_checks}
+                  "embedded": _embedded_checks, "model": _model_checks}
 
 
 def _named(section: str, values) -> typing.Callable[[str], str]:
