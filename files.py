@@ -1,16 +1,27 @@
-"""Atomic file writing, for every layer: a file is either the previous one or the new one, never torn.
+"""Files, for every layer: written atomically, read through one checked path, written only where they can be.
 
 `atomic_path` hands out a temporary file beside the target (`.<name>.<random>.tmp`) to write, then fsyncs
 it, renames it over the target and fsyncs the directory; `atomic_write_bytes` writes it through a file
 object. Checkpoints, result files, reports, manifests and .beton files are all written this way.
+
+`read_json`, `read_yaml` and `read_npz` read what the program did not just write itself (results, scores, recipes,
+records): a missing, torn, foreign or non-UTF-8 file is one error line naming it, never a traceback.
+`output_folder` is the one check of where a command writes: not under a regular file, not a file itself.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
+import yaml
+
+from fastanchor.errors import ConfigError, DataError
 
 
 def fsync_directory(directory: Path) -> None:
@@ -67,3 +78,81 @@ def link_file(source: Path, target: Path) -> None:
             import shutil
 
             shutil.copyfile(source, tmp)
+
+
+def read_text(path: Path, what: str, error: type[Exception] = DataError) -> str:
+    """The UTF-8 text of `path`; `error` naming it (as `what`) when it is missing, unreadable or not UTF-8."""
+    path = Path(path)
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise error(f"{what} '{path}' is a directory, expected a file") from None
+    except UnicodeDecodeError as problem:
+        raise error(f"{what} '{path}' is not UTF-8 text (byte {problem.start})") from None
+    except OSError as problem:
+        raise error(f"{what} '{path}' cannot be read: {problem.strerror}") from None
+
+
+def read_json(path: Path, what: str, error: type[Exception] = DataError):
+    """The JSON content of `path`, or one `error` line naming it: missing, torn (cut short while written by something
+    other than fastanchor's atomic writes) or not JSON."""
+    text = read_text(path, what, error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as problem:
+        raise error(f"{what} '{path}' is not complete JSON ({problem.msg} at line {problem.lineno}): "
+                    f"truncated or not a fastanchor file") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names one key twice (plain YAML keeps the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicated key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path, what: str, error: type[Exception] = DataError):
+    """The YAML content of `path`, or one `error` line naming it: missing, not UTF-8, not valid YAML, a key twice."""
+    text = read_text(path, what, error)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as problem:
+        detail, mark = getattr(problem, "problem", None), getattr(problem, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise error(f"{what} '{path}' is not valid YAML: "
+                    f"{detail + where if detail else str(problem).splitlines()[0]}") from None
+
+
+def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
+    """Every array of an .npz file, read whole, or one DataError naming it (missing, torn, not an .npz of arrays)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} '{path}' does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            return {name: stored[name] for name in stored.files}
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError) as problem:
+        raise DataError(f"{what} '{path}' is damaged or not an .npz of arrays ({type(problem).__name__}): "
+                        f"write it again") from None
+
+
+def output_folder(path: Path, option: str, file: bool = False) -> Path:
+    """`path` as a folder a command may write into (`file`: a file it may write): ConfigError naming `option` when a
+    folder above it, or the folder itself, is a regular file (it may not exist yet)."""
+    path = Path(path)
+    above = path.parents if file else (path, *path.parents)
+    blocking = next((p for p in above if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{option} = '{path}': '{blocking}' is a file, expected a directory "
+                          f"(or a path that does not exist yet)")
+    if file and path.is_dir():
+        raise ConfigError(f"{option} = '{path}' is a directory: expected the name of the file to write")
+    return path

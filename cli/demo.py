@@ -9,7 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, read_json
 from fastanchor.trainer.config import Config
 from fastanchor.evaluation.evaluate import evaluate_checkpoint
 from fastanchor.evaluation.finetune_ood import finetune_ood, summary_rows
@@ -74,7 +74,7 @@ def sft_record_line(record: Path = RECORD) -> str:
         path = record / experiment / "result.json"
         if not path.is_file():
             continue
-        result = json.loads(path.read_text())
+        result = read_json(path, "reproduce record")
         for setup in dict.fromkeys(g["setup"] for g in result["summary"] if g["setup"].endswith(wanted)):
             arms = {g["arm"]: g["metrics"] for g in result["summary"] if g["setup"] == setup}
             before, after = arms["energy"], arms["energy+sft"]

@@ -21,13 +21,12 @@ without one reads "not yet measured".
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, read_json, read_text
 from fastanchor.trainer.config import Config, load_config
 from fastanchor.options.recipes import RECIPE_DIR, read_recipe, recipe_names
 
@@ -95,10 +94,7 @@ def measured_throughput(name: str, anchored: bool, results_dir: Path = RESULTS_D
     found = []
     kind = " anchored" if anchored else " standard"
     for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise DataError(f"benchmark result '{path}' cannot be read: {error}") from None
+        result = read_json(path, "benchmark result")
         if not isinstance(result, dict) or name not in ((result.get("config") or {}).get("recipes") or []):
             continue
         device = (result.get("environment") or {}).get("device_name", "?")
@@ -146,7 +142,7 @@ def readme_block(results_dir: Path = RESULTS_DIR) -> str:
 
 def write_readme(readme: Path, results_dir: Path = RESULTS_DIR) -> None:
     """Replace the block between the markers in `readme` (written atomically)."""
-    text = readme.read_text()
+    text = read_text(readme, "README", ConfigError)
     if text.count(BEGIN) != 1 or text.count(END) != 1:
         raise DataError(f"'{readme}' must hold the recipe markers once each: {BEGIN} ... {END}")
     head, rest = text.split(BEGIN)

@@ -26,6 +26,7 @@ from scipy.special import expit, ndtr, ndtri
 from scipy.special import logit as _logit
 
 from fastanchor.errors import ConfigError, DataError
+from fastanchor.files import read_json, read_text
 
 TESTBED_FITS = Path(__file__).resolve().parent / "testbed_fits.json"
 TRANSFORMS = ("logit", "probit")
@@ -161,10 +162,7 @@ TESTBED_FORMAT = "fastanchor-testbed-v1"
 def read_testbed_file(path: str | Path) -> dict:
     """A testbed fit file written by evaluation/testbed.py (JSON: the sets, every model's accuracies, the fits)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise DataError(f"testbed file '{path}' cannot be read as JSON: {str(error).splitlines()[0]}") from None
+    data = read_json(path, "testbed file")
     if not isinstance(data, dict) or data.get("format") != TESTBED_FORMAT:
         raise DataError(f"testbed file '{path}' is not a fastanchor testbed (expected format {TESTBED_FORMAT})")
     return data
@@ -183,7 +181,7 @@ def read_testbed(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
             raise DataError(f"testbed file '{path}': expected at least two models, found {len(models)}")
         return (np.array([m["id_clipped"] for m in models], dtype=np.float64),
                 np.array([m["ood_clipped"] for m in models], dtype=np.float64))
-    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    lines = [line.strip() for line in read_text(path, "testbed file").splitlines() if line.strip()]
     header = [h.strip() for h in lines[0].split(",")] if lines else []
     if "id_top1" not in header or "ood_top1" not in header:
         raise DataError(f"testbed file '{path}': expected a header with columns id_top1 and ood_top1, got {header}")

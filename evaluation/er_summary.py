@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fastanchor.errors import DataError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, read_json
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 BINS = 100
@@ -61,7 +61,7 @@ def read_run(run_dir: Path) -> dict:
     path = RunFolder(Path(run_dir)).robustness
     if not path.is_file():
         raise DataError(f"run '{run_dir}' has no robustness_over_training.json: run fastanchor robustness on it first")
-    return json.loads(path.read_text())
+    return read_json(path, "robustness result")
 
 
 def summarise_groups(groups: dict[str, list[str | Path]], out: str | Path, bins: int = BINS) -> dict:

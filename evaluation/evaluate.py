@@ -89,12 +89,13 @@ def recalibration_batches(config: Config, classes, device: torch.device, batches
     re-estimated from (eval.recalibrate_bn)."""
     index = split_index(config.data, config.data.train_split, classes)
     loader = train_loader(config.data, index, device, config.eval.seed, progress=False)
+    if len(loader) == 0:
+        raise ConfigError(f"eval.recalibrate_bn = {batches}: the {len(index)} training images make no whole batch of "
+                          f"data.batch_size = {config.data.batch_size}: expected a smaller data.batch_size "
+                          f"(or eval.recalibrate_bn=0)")
     stage = AnchoringStage(loader, AnchoringSpec(anchored=config.anchor.enabled, alpha=0.0), device=device,
                            seed=config.eval.seed)
-    for number, batch in enumerate(stage):
-        if number == batches:
-            return
-        yield batch.inputs
+    return (batch.inputs for _, batch in zip(range(batches), stage))
 
 
 def recalibrate_batchnorm(model: torch.nn.Module, config: Config, classes, device: torch.device) -> dict | None:

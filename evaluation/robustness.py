@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, output_folder, read_npz
 from fastanchor.pipeline.shifts.corruptions import CORRUPTIONS, check_corruption_names
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
@@ -73,7 +73,9 @@ def check_spec(spec: RobustnessSpec) -> None:
     if spec.ood_root and spec.corruptions:
         raise ConfigError("give either an OOD folder or corruptions, not both")
     check_corruption_names(spec.corruptions)
-    parse_baseline(spec.baseline, spec.transform)  # only the form here; fits need the data
+    kind, argument = parse_baseline(spec.baseline, spec.transform)  # the form; fits to the runs need their data
+    if kind == "testbed":
+        testbed_baseline(Path(argument), spec.transform)  # a testbed that cannot give a line: said before any run
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
@@ -146,6 +148,10 @@ def testbed_baseline(path: Path, transform: str) -> tuple[Baseline, dict | None]
     data = read_testbed_file(path) if path.suffix == ".json" else None
     if data is not None:
         data["path"] = str(path)
+    if np.ptp(id_acc) == 0.0:
+        raise DataError(f"testbed '{path}': its {len(id_acc)} models share one ID accuracy ({100 * id_acc[0]:.2f}%), so "
+                        f"no line can be fitted through them: expected models that differ in ID accuracy (some trained "
+                        f"shorter, other recipes)")
     line = fit_baseline(id_acc, ood_acc, transform, name=f"testbed {path.name}",
                         source=f"least squares in {transform} space over the {len(id_acc)} models of testbed {path}")
     return line, data
@@ -434,8 +440,10 @@ def load_testbed_correct(testbed: dict | None) -> dict | None:
     path = Path(testbed["path"]).with_name(TESTBED_CORRECT_NAME)
     if not path.is_file():
         return None
-    with np.load(path) as data:
-        return {"id": data["id_correct"], "ood": data["ood_correct"]}
+    data = read_npz(path, "testbed correctness")
+    if not {"id_correct", "ood_correct"} <= set(data):
+        raise DataError(f"testbed correctness '{path}' holds {sorted(data)}: expected id_correct and ood_correct")
+    return {"id": data["id_correct"], "ood": data["ood_correct"]}
 
 
 def write_correctness(path: Path, run: dict, correctness: dict) -> None:
@@ -453,6 +461,8 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     from fastanchor.evaluation.plots import effective_robustness_chart, run_label, write_png
 
     check_spec(spec)
+    chart = Path(chart) if chart else default_chart_path(run_dirs)
+    output_folder(chart, "--plot", file=True)
     names = [Path(r).name for r in run_dirs]
     if len(set(names)) != len(names):
         raise ConfigError(f"runs {names}: the run directories need different names (they label the chart)")
@@ -470,7 +480,6 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     if testbed_correct is not None:
         for run, (_, correctness) in zip(runs, evaluated):
             add_per_example_analyses(run, correctness, testbed, testbed_correct)
-    chart = Path(chart) if chart else default_chart_path(run_dirs)
     series = [{"label": run_label(r["run"], r["anchored"]), "anchored": r["anchored"],
                "epochs": r["epochs"]} for r in runs]
     ood = runs[0]["ood_set"]

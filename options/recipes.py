@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from fastanchor.errors import ConfigError
+from fastanchor.files import read_yaml
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "demo"  # what `fastanchor train` and the commands with --config use without one
@@ -133,10 +134,7 @@ def read_recipe(recipe: str, relative_to: Path | None = None, _chain: tuple[Path
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
         raise ConfigError(f"recipe '{path}' is its own base: {cycle}")
-    try:
-        mapping = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"recipe '{path}' is not valid YAML: {str(error).splitlines()[0]}") from None
+    mapping = read_yaml(path, "recipe", ConfigError) or {}
     if not isinstance(mapping, dict):
         raise ConfigError(f"recipe '{path}': expected a mapping of sections (data:, model:, ...), got {type(mapping).__name__}")
     bases = mapping.pop("base", [])

@@ -93,6 +93,13 @@ def workspace(tiny_dataset, tmp_path_factory):
     files = w / "files"
     files.mkdir()
     (files / "bad.yaml").write_text("train: [epochs: 1\n")
+    (files / "latin1.yaml").write_bytes("train:\n  run_name: caf\u00e9\n".encode("latin-1"))
+    (files / "twice.yaml").write_text("anchor:\n  alpha: 0.1\n  alpha: 0.3\n")
+    (files / "flat.csv").write_text("id_top1,ood_top1\n80.0,60.0\n80.0,62.0\n80.0,61.0\n")
+    scored = w / "scored"  # a finished run whose per-sample OOD scores were cut short by something else
+    shutil.copytree(w / "runs" / "earlier", scored)
+    (scored / "eval.json").write_text('{"anchored": false, "id": {"top1": 50.0}}')
+    (scored / "ood_scores.npz").write_bytes(b"PK\x03\x04" + b"\x00" * 40)
     (files / "garbage.pt").write_bytes(b"\x00" * 100)
     torch.save({"format": "fastanchor-checkpoint-v1", "model": RunsCode(w / "marker")}, files / "crafted.pt")
     shutil.copy(checkpoints / checkpoint_name(1, 3, True), files / "loose.pt")
@@ -140,6 +147,9 @@ CASES = {
     "embedded resolution too small": Case(lambda w, d: train(w, d, **{"embedded.image_size": 8}), "embedded.image_size = 8: expected 32 to 256"),
     "negative checkpoint interval": Case(lambda w, d: train(w, d, **{"train.checkpoint_interval": -5}), "train.checkpoint_interval = -5: expected >= 0 steps"),
     "negative checkpoints kept": Case(lambda w, d: train(w, d, **{"train.keep_checkpoints": -1}), "train.keep_checkpoints = -1: expected >= 0"),
+    "betas not numbers": Case(lambda w, d: train(w, d, **{"optim.betas": "[a, b]"}), "config key 'optim.betas' expects a list of float, got ['a', 'b']"),
+    "negative momentum": Case(lambda w, d: train(w, d, **{"optim.momentum": -0.5}), "optim.momentum = -0.5: expected [0, 1)"),
+    "device not a cuda:N": Case(lambda w, d: train(w, d, **{"train.device": "cuda:zero"}), "train.device = 'cuda:zero': expected auto, cpu, cuda or cuda:N"),
     "hflip not a boolean": Case(lambda w, d: train(w, d, **{"augment.hflip": "sometimes"}), "config key 'augment.hflip' expects bool, got 'sometimes'"),
     "unknown nan policy": Case(lambda w, d: train(w, d, **{"train.nonfinite": "ignore"}), "train.nonfinite = 'ignore': expected one of stop, skip"),
     # --- paths ---
@@ -156,6 +166,20 @@ CASES = {
     "unknown recipe": Case(lambda w, d: ["train", "--config", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
     "missing recipe file": Case(lambda w, d: ["train", "--config", w / "nope.yaml"], "recipe file '{w}/nope.yaml' does not exist"),
     "recipe not YAML": Case(lambda w, d: ["train", "--config", w / "files" / "bad.yaml"], "recipe '{w}/files/bad.yaml' is not valid YAML"),
+    "recipe not UTF-8": Case(lambda w, d: ["train", "--config", w / "files" / "latin1.yaml"],
+                             "recipe '{w}/files/latin1.yaml' is not UTF-8 text"),
+    "recipe names a key twice": Case(lambda w, d: ["train", "--config", w / "files" / "twice.yaml"],
+                                     "recipe '{w}/files/twice.yaml' is not valid YAML: duplicated key 'alpha' (line 3)"),
+    "report: --out under a file": Case(lambda w, d: ["report", w / "runs" / "earlier", "--out", w / "runs" / "afile" / "report"],
+                                       "--out = '{w}/runs/afile/report': '{w}/runs/afile' is a file, expected a directory"),
+    "report: torn OOD scores": Case(lambda w, d: ["report", w / "scored", "--out", w / "report"],
+                                    "OOD scores '{w}/scored/ood_scores.npz' is damaged or not an .npz of arrays", writes=True),
+    "recipes: --readme missing": Case(lambda w, d: ["recipes", "--readme", w / "NOPE.md"], "README '{w}/NOPE.md' does not exist"),
+    "robustness: --plot under a file": Case(lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--plot", w / "runs" / "afile" / "chart.png"],
+                                            "--plot = '{w}/runs/afile/chart.png': '{w}/runs/afile' is a file, expected a directory"),
+    "robustness: testbed with one ID accuracy": Case(
+        lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--baseline", f"testbed:{w / 'files' / 'flat.csv'}"],
+        "testbed '{w}/files/flat.csv': its 3 models share one ID accuracy (80.00%)"),
     # --- files and image contents ---
     "text file among the images": Case(lambda w, d: train(w, d, **folder(w / "text")), "non-image file '{text}' among the images"),
     "GIF bytes named .jpg": Case(lambda w, d: train(w, d, **folder(w / "gif")), "image file '{gif}' is not a valid image: expected JPG data"),

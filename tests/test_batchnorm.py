@@ -129,3 +129,11 @@ def test_evaluate_recalibrate_bn_reestimates_on_unmasked_training_batches_and_le
     report = json.loads((tmp_path / "masked" / "eval.json").read_text())
     assert report["batchnorm"]["recalibrated_batches"] == 2
     assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == digest
+
+    # no whole training batch to re-estimate from: one line naming the option, the checkpoint and eval.json untouched
+    before = (tmp_path / "masked" / "eval.json").read_bytes()
+    refused = run_main("evaluate", "--checkpoint", checkpoint, "--set", "eval.recalibrate_bn=2", "--set", "data.batch_size=4096")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "eval.recalibrate_bn = 2: the 48 training images make no whole batch of data.batch_size = 4096" in refused.stderr
+    assert (tmp_path / "masked" / "eval.json").read_bytes() == before
+    assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == digest

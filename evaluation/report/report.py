@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from fastanchor.errors import DataError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, output_folder, read_json, read_npz, read_yaml
 from fastanchor.evaluation import plots
 from fastanchor.evaluation.report.tables import (
     RunResults,
@@ -52,13 +50,10 @@ class Figure:
 # Reading runs
 
 
-def read_json(path: Path) -> dict | None:
+def read_result(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DataError(f"result file '{path}' is not valid JSON: {error}") from None
+    value = read_json(path, "result file")
     if not isinstance(value, dict):
         raise DataError(f"result file '{path}' holds a {type(value).__name__}: expected a JSON object")
     return value
@@ -70,7 +65,7 @@ def run_is_anchored(run_dir: Path, files: list[dict | None]) -> bool:
             return data["anchored"]
     config = RunFolder(run_dir).config
     if config.is_file():
-        return bool(get(yaml.safe_load(config.read_text()), "anchor", "enabled"))
+        return bool(get(read_yaml(config, "run config"), "anchor", "enabled"))
     return False
 
 
@@ -79,8 +74,8 @@ def load_run(run_dir: str | Path) -> RunResults:
     if not run_dir.is_dir():
         raise DataError(f"run directory '{run_dir}' does not exist")
     folder = RunFolder(run_dir)
-    files = {"eval": read_json(folder.eval), "robustness": read_json(folder.robustness),
-             "probe": read_json(folder.linear_probe), "sft": read_json(folder.finetune_ood / "summary.json")}
+    files = {"eval": read_result(folder.eval), "robustness": read_result(folder.robustness),
+             "probe": read_result(folder.linear_probe), "sft": read_result(folder.finetune_ood / "summary.json")}
     if all(v is None for v in files.values()):
         raise DataError(f"run directory '{run_dir}' has no result files: expected eval.json (fastanchor evaluate), "
                         "robustness_over_training.json, linear_probe.json or finetune_ood/summary.json")
@@ -170,8 +165,7 @@ def anomaly_figures(runs: list[RunResults], notes: list[str]) -> list[Figure]:
         path = Path(run.path) / SCORES_FILE
         if not path.is_file():
             continue
-        with np.load(path) as stored:
-            arrays = {key: np.asarray(stored[key], dtype=np.float64) for key in stored.files}
+        arrays = {key: np.asarray(value, dtype=np.float64) for key, value in read_npz(path, "OOD scores").items()}
         for score in sorted({k.split("/", 1)[1] for k in arrays if k.startswith("id/")}):
             ood = {k.split("/", 1)[0]: v for k, v in arrays.items() if k.endswith(f"/{score}") and not k.startswith("id/")}
             if ood:
@@ -327,13 +321,13 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     """Write report.html, report.md and figures/*.png into `out_dir`; return their paths."""
     if not run_dirs:
         raise DataError("report needs at least one run directory")
+    out_dir = output_folder(Path(out_dir) if out_dir else default_out_dir([Path(r) for r in run_dirs]), "--out")
     runs = [load_run(r) for r in run_dirs]
     unique_names(runs)
     names, ref = [r.name for r in runs], reference_index(runs)
     notes: list[str] = []
     tables = all_tables(runs)
     figures = all_figures(runs, notes)
-    out_dir = Path(out_dir) if out_dir else default_out_dir([Path(r) for r in run_dirs])
     figure_dir = out_dir / "figures"
     labels = ", ".join(plots.run_label(r.name, r.anchored) for r in runs)
     intro = (f"{len(runs)} run(s): {labels}. "

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from fastanchor.errors import ConfigError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, output_folder
 from fastanchor.trainer.config import Config
 
 
@@ -57,10 +57,7 @@ class RunFolder:
         kind = "anchored" if config.anchor.enabled else "standard"
         name = t.run_name or f"{config.model.name.replace('/', '-')}-{kind}-{datetime.now():%Y%m%d-%H%M%S}"
         root = Path(t.out_dir) / name
-        blocking = next((p for p in (root.parent, *root.parent.parents) if p.exists() and not p.is_dir()), None)
-        if blocking is not None:
-            raise ConfigError(f"train.out_dir = '{t.out_dir}': '{blocking}' is a file, expected a directory "
-                              f"(or a path that does not exist yet)")
+        output_folder(Path(t.out_dir), "train.out_dir")
         if root.exists() and not root.is_dir():
             raise ConfigError(f"run directory '{root}' exists and is not a directory: choose another train.run_name")
         if not reuse and root.exists() and any(root.iterdir()):
