@@ -177,6 +177,18 @@ def test_training_through_a_pipe_writes_plain_lines(tiny_dataset, tmp_path):
     assert "validate" not in output  # the transient validation bar leaves no line
 
 
+def test_an_epoch_shorter_than_the_log_interval_shows_no_nan_loss(tiny_dataset, tmp_path):
+    """3 steps an epoch, a loss window every 20: the first epoch's lines show no loss yet (not loss=nan), the second
+    epoch's the first epoch's mean, as its epoch line below gives it."""
+    result = run_cli("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.progress": True, "train.log_interval": 20,
+                                                                          "train.epochs": 2}))
+    assert result.returncode == 0, result.stderr
+    assert "nan" not in result.stderr, result.stderr
+    first_loss = re.search(r"^epoch 1: loss ([0-9.]+) ", result.stdout, re.M).group(1)
+    assert re.search(r"^epoch 1/2: 3/3 batch \[[^]]*\] img_s=", result.stderr, re.M), result.stderr
+    assert re.search(rf"^epoch 2/2: 3/3 batch \[[^]]*\] loss={float(first_loss):.3f}, img_s=", result.stderr, re.M), result.stderr
+
+
 # --- an empty class folder ---------------------------------------------------------------------------
 
 def test_empty_class_folder_is_refused_where_it_would_be_a_class_and_kept_when_allowed(tiny_dataset, tmp_path):

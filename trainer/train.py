@@ -16,6 +16,7 @@ data and rank 0 writes (`distributed.py`).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,12 +132,13 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                                       shown_loss=shown_loss)
             if trained.stopped:  # train.max_steps: a smoke test of the recipe, no validation, no checkpoint
                 return folder.root
-            shown_loss = trained.shown_loss
+            epoch_loss = run.losses.read_epoch(processes)
+            shown_loss = trained.shown_loss if epoch_loss is None else epoch_loss  # shown until the next window's
             broadcast_module_buffers(processes, run.step.eval_model)  # BatchNorm statistics: rank 0's everywhere
             val = validate(run.step.eval_model, run.val_loader, anchored=config.anchor.enabled, references=run.references,
                            seed=config.eval.seed, dtype=run.step.autocast_dtype, progress=show, processes=processes,
                            flip=config.eval.flip_tta)
-            record = {"epoch": epoch + 1, "step": at.step, "train_loss": run.losses.read_epoch(processes),
+            record = {"epoch": epoch + 1, "step": at.step, "train_loss": epoch_loss,
                       "train_images_per_s": processes.world_size * trained.seen / trained.seconds,
                       "skipped_steps": at.skipped, "resolution": trained.resolution,
                       "train_input_shape": trained.input_shape, **val}
@@ -198,7 +200,8 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
             stats.shown_loss = window["loss"] if window["loss"] is not None else float("nan")
             log({"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4), "loss": window["loss"],
                  "lr": lr, "masked": window["masked"], "images_per_s": images_per_s, "skipped_steps": at.skipped})
-        bar.set_postfix(loss=f"{stats.shown_loss:.3f}", img_s=f"{images_per_s:.0f}", lr=f"{lr:.3g}")
+        loss_shown = {} if math.isnan(stats.shown_loss) else {"loss": f"{stats.shown_loss:.3f}"}  # none logged yet
+        bar.set_postfix(**loss_shown, img_s=f"{images_per_s:.0f}", lr=f"{lr:.3g}")
         if checkpoint_interval and at.step % checkpoint_interval == 0 and at.batch < run.steps_per_epoch:
             state.save(at, {"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4)})
         if at.step == max_steps:

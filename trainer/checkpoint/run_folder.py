@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
@@ -110,8 +110,9 @@ class RunFolder:
 
 
 class MetricsLog:
-    """metrics.jsonl (and TensorBoard events with `tensorboard`) of a training run; a resumed run from `step`
-    drops what an interrupted attempt logged after it and appends. `enabled` False (ranks > 0): logs nothing."""
+    """metrics.jsonl (and TensorBoard events with `tensorboard`) of a training run, every line with its "time"; a
+    resumed run from `step` drops what an interrupted attempt logged after it and appends. `enabled` False
+    (ranks > 0): logs nothing."""
 
     def __init__(self, folder: RunFolder, *, resumed_at: int | None, tensorboard: bool, enabled: bool = True):
         self.file, self.events = None, None
@@ -126,8 +127,8 @@ class MetricsLog:
             self.events = EventLog(folder.root, first_step=(resumed_at or 0) + 1)
 
     def __call__(self, record: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+        if self.file is not None:  # each line stamped with when it was written (UTC, ISO 8601)
+            self.file.write(json.dumps({**record, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n")
             self.file.flush()
         if self.events is not None:
             self.events.log(record)
