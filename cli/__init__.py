@@ -36,7 +36,8 @@ from fastanchor.benchmarks.cli import BENCHMARKS
 from fastanchor.cli import options as o
 from fastanchor.errors import FastAnchorError
 from fastanchor.reproduce.options import ReproduceOptions
-from fastanchor.trainer.config import describe_options
+from fastanchor.options.recipes import DEFAULT_RECIPE
+from fastanchor.trainer.config import Recipe, describe_options, recipe_defaults
 from fastanchor.options.flags import Overrides, add_options, options_from
 
 COMMANDS = {
@@ -73,9 +74,12 @@ def epilog(cls: type) -> str | None:
     notes = [] if (cls.__doc__ or "").startswith(cls.__name__ + "(") else [cls.__doc__ or ""]
     if hasattr(cls, "help_epilog"):
         notes.append(cls.help_epilog())
-    if issubclass(cls, Overrides):
-        notes.append("options (section.key = built-in default; a recipe given by --config sets its own values, "
-                     "--set overrides both):\n" + describe_options())
+    if issubclass(cls, Recipe):
+        notes.append(f"options --set takes (section.key = the value used without --config, the {DEFAULT_RECIPE} recipe's; "
+                     f"--config sets its own, --set overrides both):\n" + describe_options(recipe_defaults(), cls.SETTABLE))
+    elif issubclass(cls, Overrides):
+        notes.append("options --set takes (their values otherwise come from the checkpoint):\n"
+                     + describe_options(None, cls.SETTABLE))
     return "\n".join(n for n in notes if n) or None
 
 
@@ -104,7 +108,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Dispatch: the chosen entry's function with its options and the command line as typed."""
     options, target = args.entry
     module, function = target.split(":")
-    status = getattr(importlib.import_module(module), function)(options_from(options, args), "fastanchor " + shlex.join(argv))
+    given = options_from(options, args)
+    if isinstance(given, Overrides):
+        given.check_settable(f"fastanchor {args.command}")
+    status = getattr(importlib.import_module(module), function)(given, "fastanchor " + shlex.join(argv))
     return status if isinstance(status, int) else 0  # a benchmark returns its result
 
 

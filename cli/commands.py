@@ -48,7 +48,7 @@ def train(options: o.TrainOptions, command: str) -> None:
     if resume not in (None, "auto"):
         if options.config:
             raise ConfigError("--config cannot be combined with --resume PATH: the run's config comes from its checkpoint")
-        config = resume_config(resume, options.overrides)
+        config = resume_config(resume, options.settings())
     else:
         config = options.load()
     run_dir = train_run(config, resume=resume)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fastanchor.options.option import option
 from fastanchor.options.flags import FromCheckpoint, OnDevice
-from fastanchor.trainer.config import Recipe
+from fastanchor.trainer.config import Recipe, TrainingRecipe
 from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
 
 
@@ -21,27 +21,27 @@ class PrepareOptions(Recipe):
 
 
 @dataclass
-class TrainOptions(Recipe):
+class TrainOptions(TrainingRecipe):
     resume: str = option("", "continue a run exactly: PATH (a checkpoint of the run) or auto (<out_dir>/<run_name>)",
                          metavar="PATH|auto")
 
 
 @dataclass
 class EvaluateOptions(FromCheckpoint):
-    """--set accepts data.* and eval.* options; the rest come from the checkpoint."""
+    SETTABLE = ("data", "eval")
 
 
 @dataclass
 class FinetuneOODOptions(FromCheckpoint):
-    """--set accepts finetune_ood.*, data.* and eval.* options; the rest come from the checkpoint.
-Writes finetuned.pt, summary.json, summary.md and metrics.jsonl into --out."""
+    """Writes finetuned.pt, summary.json, summary.md and metrics.jsonl into --out."""
 
+    SETTABLE = ("finetune_ood", "data", "eval", "train.progress")
     out: str = option("", "output directory ('': <run>/finetune_ood beside the checkpoint's run)")
 
 
 @dataclass
 class RobustnessOptions(RobustnessSpec, OnDevice):
-    """--set accepts data.* and eval.* options and train.progress; the rest come from the checkpoints."""
+    SETTABLE = ("data", "eval", "train.progress")
 
     runs: list = option([], "run directory with checkpoints/ (repeatable: standard and anchored runs on one chart)",
                         flag="--run", metavar="RUN_DIR", required=True)
@@ -50,7 +50,7 @@ class RobustnessOptions(RobustnessSpec, OnDevice):
 
 @dataclass
 class LinearProbeOptions(ProbeSpec, FromCheckpoint):
-    """--set accepts data.* options (e.g. data.workers) and train.progress; the rest come from the checkpoint."""
+    SETTABLE = ("data", "train.progress")
 
 
 @dataclass
@@ -67,5 +67,5 @@ class RecipesOptions:
 
 
 @dataclass
-class DemoOptions(Recipe):
+class DemoOptions(TrainingRecipe):
     out_dir: str = option("runs", "where the demo's run directory is created")

@@ -5,8 +5,8 @@ declared with `option()` (options/option.py), as the config sections are. `add_o
 into argparse flags, one rule for all: a field `some_name` is the flag `--some-name` (or the `flag` its
 option names; a tuple of flags: the first, then other names it answers to); a bool is `--x/--no-x`; a list is a repeatable flag (or, with `positional=True`, one or
 more positional arguments, or one where the field is not a list); `required`, `metavar` and `choices` pass through; the help is the option's
-one line, with its default where it has one. `options_from` reads the parsed values back into the
-dataclass. No torch import here: `--help` stays fast.
+one line, with its default where it has one (not for an option whose default means "not given", `unset`).
+`options_from` reads the parsed values back into the dataclass. No torch import here: `--help` stays fast.
 
 The options shared by several commands are declared once, here, and mixed into the commands' options:
 `Overrides` (--set), `OnDevice` (--device), `FromCheckpoint` (--checkpoint, --device, --set). `Recipe`
@@ -20,6 +20,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from fastanchor.errors import ConfigError
 from fastanchor.options.option import option
 
 
@@ -52,7 +53,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             metavar = meta.get("metavar", None if choices else f.name.upper())
             required = meta.get("required", False)
             parser.add_argument(*flags, dest=f.name, type=kind, default=default, required=required, metavar=metavar,
-                                choices=choices, help=meta["help"] + ("" if required else shown_default(default)))
+                                choices=choices, help=meta["help"] + ("" if required or "unset" in meta else shown_default(default)))
 
 
 def options_from(cls: type, args: argparse.Namespace):
@@ -63,8 +64,21 @@ def options_from(cls: type, args: argparse.Namespace):
 
 @dataclass
 class Overrides:
-    overrides: list = option([], "override one option, e.g. --set data.workers=0 (repeatable; `fastanchor train --help` lists them)",
+    """--set; `SETTABLE` names the sections ('eval') and keys ('train.progress') a command takes (empty: all)."""
+
+    SETTABLE: typing.ClassVar[tuple[str, ...]] = ()
+    overrides: list = option([], "override one option, e.g. --set data.workers=0 (repeatable; the list is below)",
                              flag="--set", metavar="KEY=VALUE")
+
+    def check_settable(self, command: str) -> None:
+        """ConfigError naming the first --set this command does not take (it would be ignored, or break loading)."""
+        if not self.SETTABLE:
+            return
+        for text in self.overrides:
+            key = text.partition("=")[0].strip()
+            if key not in self.SETTABLE and key.partition(".")[0] not in self.SETTABLE:
+                taken = ", ".join(s if "." in s else f"{s}.*" for s in self.SETTABLE)
+                raise ConfigError(f"--set {text}: {command} takes {taken}; the other options come from the checkpoint")
 
 
 @dataclass

@@ -65,7 +65,9 @@ def test_shared_options_are_declared_once():
     for words, cls, _ in leaf_entries():
         for f in dataclasses.fields(cls):
             if f.metadata.get("flag", "--" + f.name.replace("_", "-")) in ("--set", "--device", "--checkpoint", "--config"):
-                assert f is shared[f.name], f"{words}: {f.name} declared again"
+                declared = trainer_config.TrainingRecipe.__dataclass_fields__.get(f.name) \
+                    if issubclass(cls, trainer_config.TrainingRecipe) else shared[f.name]  # train's --device: --set train.device
+                assert f is declared, f"{words}: {f.name} declared again"
                 seen.add(f.name)
     assert seen == {"overrides", "device", "checkpoint", "config"}
 

@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 
+from conftest import run_main
 from fastanchor.benchmarks import options as bench_options
 from fastanchor.cli import build_parser
 from fastanchor.reproduce import options as reproduce_options
-from fastanchor.trainer.config import Config, ConfigError, describe_options, load_config
+from fastanchor.trainer.config import Config, ConfigError, load_config
 from fastanchor.options.recipes import parse_override
 
 
@@ -109,13 +110,52 @@ def test_unknown_recipe_and_bad_yaml(tmp_path):
         load_config(str(wrong))
 
 
-def test_every_option_is_in_help():
-    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
-    defaults = Config().to_dict()
-    for section, values in defaults.items():
-        for key in values:
-            assert f"{section}.{key} = " in text
-    assert describe_options() in text
+def command_help(name: str) -> str:
+    return build_parser()._subparsers._group_actions[0].choices[name].format_help()
+
+
+def test_every_option_is_in_help_with_the_value_train_uses():
+    """`fastanchor train --help` lists every option with the value a plain `fastanchor train` uses: the demo recipe's
+    (24 epochs, AdamW, alpha 0.25, sample masking, data/embedded_demo), not the dataclasses' built-in defaults."""
+    text = command_help("train")
+    used = load_config("demo")
+    for section, values in used.to_dict().items():
+        for key, value in values.items():
+            assert f"{section}.{key} = {value!r}" in text, (section, key)
+    assert "train.epochs = 24" in text and "optim.name = 'adamw'" in text and "anchor.mask_level = 'sample'" in text
+    assert "data.root = 'data/embedded_demo'" in text and "train.epochs = 10" not in text
+
+
+def test_checkpoint_commands_list_and_take_only_their_options(tmp_path):
+    """evaluate's --help lists the data.* and eval.* options it reads (no training option, no default: the checkpoint
+    has them); a --set of another section is one line, before the checkpoint is even opened."""
+    text = command_help("evaluate")
+    assert "eval.num_references\n" in text and "data.eval_batch_size\n" in text
+    assert "anchor." not in text and "optim." not in text and "train.epochs" not in text
+    assert len(text.splitlines()) < 150
+    for args, message in ((["evaluate", "--set", "anchor.alpha=0.1"], "--set anchor.alpha=0.1: fastanchor evaluate takes "
+                                                                      "data.*, eval.*; the other options come from the checkpoint"),
+                          (["evaluate", "--set", "anchor.enabled=false"], "--set anchor.enabled=false: fastanchor evaluate"),
+                          (["linear-probe", "--set", "eval.blt=false"], "fastanchor linear-probe takes data.*, train.progress")):
+        result = run_main(*args, "--checkpoint", tmp_path / "never_read.pt")
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_shorthand_flags_are_their_set_forms():
+    from fastanchor.cli.options import TrainOptions
+    from fastanchor.options.flags import options_from
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--device", "cpu", "--epochs", "3", "--batch-size", "8", "--lr", "0.01", "--seed", "5",
+                              "--set", "train.epochs=7"])
+    options = options_from(TrainOptions, args)
+    assert options.settings() == ["train.epochs=7", "train.device=cpu", "train.epochs=3", "data.batch_size=8",
+                                  "optim.lr=0.01", "train.seed=5"]  # the shorthand wins over --set of the same option
+    short = options.load()
+    assert (short.train.device, short.train.epochs, short.data.batch_size, short.optim.lr, short.train.seed) == ("cpu", 3, 8, 0.01, 5)
+    assert options_from(TrainOptions, parser.parse_args(["train"])).settings() == []
+    assert "--epochs N" in command_help("train") and "--epochs N" in command_help("demo")
 
 
 HELP_LIMIT = 100  # the house rule: one short line per option in --help; the why lives in docs/

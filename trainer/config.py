@@ -224,17 +224,36 @@ def _field_types(section_cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section_cls)}
 
 
-def describe_options() -> str:
-    """Every option with its default and help, for `--help`."""
+def recipe_defaults(recipe: str = DEFAULT_RECIPE) -> Config:
+    """The values a command uses without --config: the recipe applied over the built-in defaults (for `--help`:
+    read, not validated, so that no model or loader is imported)."""
+    config = Config()
+    mapping = read_recipe(recipe)
+    mapping.pop("about", None)
+    apply_mapping(config, mapping, str(resolve_recipe(recipe)))
+    return config
+
+
+def settable(key: str, sections: typing.Sequence[str]) -> bool:
+    """Whether `--set key=...` is one a command takes: `sections` names sections ('eval') and single keys
+    ('train.progress'); empty: every option."""
+    return not sections or key in sections or key.partition(".")[0] in sections
+
+
+def describe_options(defaults: Config | None = None, sections: typing.Sequence[str] = ()) -> str:
+    """The options `--set` takes (`sections`, as `settable`) with their help, for `--help`: with the value each has
+    in `defaults`, or without one (None: the values come from elsewhere, a checkpoint)."""
     lines = []
-    defaults = Config()
     for section, cls in _section_classes().items():
-        lines.append(f"  {section}:")
-        for name, f in _field_types(cls).items():
-            value = getattr(getattr(defaults, section), name)
+        names = [name for name in _field_types(cls) if settable(f"{section}.{name}", sections)]
+        if names:
+            lines.append(f"  {section}:")
+        for name in names:
+            f = _field_types(cls)[name]
             choices = f.metadata.get("choices")
             extra = f" [{'|'.join(choices)}]" if choices else ""
-            lines.append(f"    {section}.{name} = {value!r}{extra}\n        {f.metadata['help']}")
+            value = "" if defaults is None else f" = {getattr(getattr(defaults, section), name)!r}"
+            lines.append(f"    {section}.{name}{value}{extra}\n        {f.metadata['help']}")
     return "\n".join(lines)
 
 
@@ -497,3 +516,31 @@ class Recipe(Overrides, _RecipeName):  # mixins are listed last-flag-first: --co
     def load(self) -> Config:
         """The recipe with the --set overrides, validated."""
         return load_config(self.config or DEFAULT_RECIPE, self.overrides)
+
+
+# The flags everyone types, each the --set of one option (timm's --epochs, --batch-size, --lr, --seed; --device)
+SHORTHANDS = {"device": "train.device", "epochs": "train.epochs", "batch_size": "data.batch_size", "lr": "optim.lr",
+              "seed": "train.seed"}
+
+
+@dataclass
+class _Shorthands:
+    device: str = option("", "the same as --set train.device=DEVICE: auto, cpu, cuda or cuda:N", unset="")
+    epochs: int = option(0, "the same as --set train.epochs=N", metavar="N", unset=0)
+    batch_size: int = option(0, "the same as --set data.batch_size=N", metavar="N", unset=0)
+    lr: float = option(0.0, "the same as --set optim.lr=LR", metavar="LR", unset=0.0)
+    seed: int = option(-1, "the same as --set train.seed=N", metavar="N", unset=-1)
+
+
+@dataclass
+class TrainingRecipe(_Shorthands, Recipe):  # --config, --set, then the shorthands
+    """A recipe with --set overrides and the shorthand flags of the options everyone types (`SHORTHANDS`)."""
+
+    def settings(self) -> list[str]:
+        """The --set overrides, then the shorthands given (as the same `key=value` texts)."""
+        fields = {f.name: f for f in dataclasses.fields(_Shorthands)}
+        given = {key: getattr(self, flag) for flag, key in SHORTHANDS.items() if getattr(self, flag) != fields[flag].metadata["unset"]}
+        return [*self.overrides, *(f"{key}={value}" for key, value in given.items())]
+
+    def load(self) -> Config:
+        return load_config(self.config or DEFAULT_RECIPE, self.settings())
