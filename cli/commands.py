@@ -61,9 +61,11 @@ def train(options: o.TrainOptions, command: str) -> None:
 
 
 def evaluate(options: o.EvaluateOptions, command: str) -> None:
-    from fastanchor.evaluation.evaluate import evaluate_checkpoint
+    from fastanchor.evaluation.evaluate import evaluate_checkpoint, summary_lines
 
-    print(json.dumps(evaluate_checkpoint(Path(options.checkpoint), options.overrides, options.device), indent=2))
+    result = evaluate_checkpoint(Path(options.checkpoint), options.overrides, options.device)
+    written = RunFolder.of_checkpoint(options.checkpoint).evaluation_of(options.checkpoint)
+    print(json.dumps(result, indent=2) if options.json else "\n".join(summary_lines(result, written)))
 
 
 def finetune_ood(options: o.FinetuneOODOptions, command: str) -> None:

@@ -29,6 +29,7 @@ class TrainOptions(TrainingRecipe):
 @dataclass
 class EvaluateOptions(FromCheckpoint):
     SETTABLE = ("data", "eval")
+    json: bool = option(False, "print the whole eval.json to stdout instead of the summary")
 
 
 @dataclass

@@ -544,3 +544,25 @@ def write_plots(checkpoint: Path, result: dict, reliability_groups: dict, ood_va
         write_png(folder / "accuracy_vs_severity.png", severity_chart(curves, title="Accuracy under corruption"))
         plots["accuracy_vs_severity"] = folder / "accuracy_vs_severity.png"
     return {name: str(p.relative_to(run.root)) for name, p in plots.items()}
+
+
+def summary_lines(result: dict, written: Path) -> list[str]:
+    """What `fastanchor evaluate` prints: where eval.json is, then ID accuracy and calibration, the corruption means,
+    the anomaly scores' AUROC per OOD set and each inference protocol's top-1 (eval.json holds everything)."""
+    i = result["id"]
+    lines = [f"eval.json written to {written}" + (f" (plots under {written.parent / 'plots'})" if result.get("plots") else ""),
+             f"ID: top-1 {i['top1']:.2f}%, top-5 {i['top5']:.2f}% on {i['images']} images; smECE {i['smece']:.4f}, "
+             f"NLL {i['nll']:.3f}"]
+    if result.get("corruption_mean_top1") is not None:
+        by_severity = "; ".join(f"{benchmark} severity " + ", ".join(f"{s}: {top1:.2f}%" for s, top1 in levels.items())
+                                for benchmark, levels in (result.get("severity_mean_top1") or {}).items())
+        lines.append(f"corruptions: mean top-1 {result['corruption_mean_top1']:.2f}% over {len(result['corruptions'])} "
+                     f"sets" + (f" ({by_severity})" if by_severity else ""))
+    for name, scores in (result.get("ood") or {}).get("sets", {}).items():
+        lines.append(f"anomaly rejection, {name}: AUROC " + ", ".join(f"{score} {m['auroc']:.3f}" for score, m in scores.items())
+                     + f" (FPR95, {result['ood']['positive']} positive: "
+                     + ", ".join(f"{score} {m['fpr95']:.3f}" for score, m in scores.items()) + ")")
+    protocols = result.get("by_protocol") or {}
+    if len(protocols) > 1:
+        lines.append("protocols, ID top-1: " + ", ".join(f"{name} {p['id_top1']:.2f}%" for name, p in protocols.items()))
+    return lines

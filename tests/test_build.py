@@ -54,7 +54,7 @@ def test_blurpool_model_is_evaluated_as_trained(tiny_dataset, tmp_path, monkeypa
 
     # `fastanchor evaluate`'s ID top-1 is validation's: a standard model, the same loader (eval_loader over the whole
     # validation split, eval_batch_size), full precision on the CPU in both
-    result = run_main("evaluate", "--checkpoint", run_dir / "final.pt")
+    result = run_main("evaluate", "--checkpoint", run_dir / "final.pt", "--json")
     assert result.returncode == 0, result.stderr
     evaluated = json.loads(result.stdout)
     assert evaluated["id"]["images"] == len(val_index)

@@ -32,7 +32,10 @@ def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
         if kind == "anchored":
             assert any(r["masked"] for r in steps) and not all(r["masked"] for r in steps)
 
-    result = json.loads(run_cli("evaluate", "--checkpoint", tmp_path / "anchored" / "final.pt").stdout)
+    printed = run_cli("evaluate", "--checkpoint", tmp_path / "anchored" / "final.pt").stdout  # a summary, not eval.json
+    result = json.loads((tmp_path / "anchored" / "eval.json").read_text())
+    assert printed.startswith(f"eval.json written to {tmp_path / 'anchored' / 'eval.json'}") and len(printed.splitlines()) < 12
+    assert f"ID: top-1 {result['id']['top1']:.2f}%" in printed and "anomaly rejection, ood: AUROC energy" in printed
     assert result["anchored"] is True
     assert set(result["corruptions"]) == {"gaussian_noise@3", "defocus_blur@3", "contrast@3",
                                           "blue_noise_sample@3", "checkerboard_cutout@3"}  # ImageNet-C and -C-bar

@@ -55,7 +55,7 @@ def sources(tiny_dataset, tmp_path_factory):
 
 
 def evaluate(run_dir, *extra):
-    result = run_main("evaluate", "--checkpoint", run_dir / "final.pt", *extra)
+    result = run_main("evaluate", "--checkpoint", run_dir / "final.pt", "--json", *extra)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

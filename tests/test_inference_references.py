@@ -61,7 +61,7 @@ def test_the_checkpoint_carries_r_itself(fixed_run, tiny_dataset):
 
 def test_evaluate_uses_r_for_one_reference_k_references_and_blt(fixed_run, tiny_dataset):
     run, r = fixed_run
-    result = run_main("evaluate", "--checkpoint", run / "final.pt",
+    result = run_main("evaluate", "--checkpoint", run / "final.pt", "--json",
                       *[a for k, v in EVAL.items() for a in ("--set", f"{k}={v}")])
     assert result.returncode == 0, result.stderr
     evaluation = json.loads(result.stdout)
