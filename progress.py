@@ -5,17 +5,21 @@ error is a terminal it is a tqdm bar, redrawn in place. When it is a file or a p
 a test capturing output), a redrawn bar would write hundreds of `\\r` frames into the log, so the same calls
 print plain lines instead, as timm's and Lightning's loggers do: one line every `every` steps (the
 training loop passes train.log_interval), one at least every PLAIN_SECONDS while a loop runs, and a last one
-when a kept bar (leave=True) ends, e.g. once per epoch. `enabled=False` shows nothing either way.
+when a loop ends, e.g. once per epoch or per evaluated set (not for a transient one, such as validation inside
+training). A terminal that reports fewer than MIN_COLUMNS columns (0, in some containers and CI terminals)
+gets the plain lines too: tqdm would draw nothing there. `enabled=False` shows nothing either way.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 from tqdm import tqdm
 
 PLAIN_SECONDS = 60.0  # in a file or a pipe: at least one line this often while a loop runs
+MIN_COLUMNS = 20  # a terminal narrower than this (some report 0 columns) gets plain lines: a bar would not show
 
 
 def on_terminal(stream=None) -> bool:
@@ -27,14 +31,26 @@ def on_terminal(stream=None) -> bool:
         return False
 
 
+def terminal_columns(stream=None) -> int:
+    """The width of the terminal `stream` (standard error by default) is drawn on; 0 where it reports none."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def progress_bar(iterable=None, *, desc: str = "", total: int | None = None, unit: str = "it", enabled: bool = True,
-             leave: bool = True, initial: int = 0, every: int = 0):
-    """A progress display over `iterable` (or updated by hand with `update(n)`); see the module docstring."""
+                 leave: bool = True, transient: bool = False, initial: int = 0, every: int = 0):
+    """A progress display over `iterable` (or updated by hand with `update(n)`); see the module docstring. `leave`
+    False: the bar is cleared from a terminal when done (a file or a pipe still gets its last line); `transient`: a
+    loop inside another's (validation inside training) that leaves nothing behind anywhere."""
     if not enabled:
         return tqdm(iterable, total=total, disable=True)
-    if on_terminal():
-        return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave, initial=initial, dynamic_ncols=True)
-    return PlainProgress(iterable, desc=desc, total=total, unit=unit, leave=leave, initial=initial, every=every)
+    if on_terminal() and terminal_columns() >= MIN_COLUMNS:
+        return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave and not transient, initial=initial,
+                    dynamic_ncols=True)
+    return PlainProgress(iterable, desc=desc, total=total, unit=unit, leave=not transient, initial=initial, every=every)
 
 
 def write(line: str) -> None:

@@ -28,7 +28,7 @@ class TrainOptions(TrainingRecipe):
 
 @dataclass
 class EvaluateOptions(FromCheckpoint):
-    SETTABLE = ("data", "eval")
+    SETTABLE = ("data", "eval", "train.progress")
     json: bool = option(False, "print the whole eval.json to stdout instead of the summary")
 
 

@@ -153,13 +153,19 @@ def test_plain_lines_every_n_steps_and_at_the_end():
 
 
 def test_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
+    import fcntl
+    import struct
+    import termios
+
     leader, follower = pty.openpty()
     with os.fdopen(follower, "w") as terminal:
         monkeypatch.setattr(sys, "stderr", terminal)
         assert progress_module.on_terminal()
-        bar = progress_module.progress_bar(range(3), desc="x")
-        assert type(bar).__name__ == "tqdm"
-        bar.close()
+        for columns, kind in ((80, "tqdm"), (0, "PlainProgress")):  # a terminal reporting no width gets plain lines
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+            bar = progress_module.progress_bar(range(3), desc="x")
+            assert type(bar).__name__ == kind, columns
+            bar.close()
     os.close(leader)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert isinstance(progress_module.progress_bar(range(3), desc="x"), progress_module.PlainProgress)
@@ -177,6 +183,18 @@ def test_training_through_a_pipe_writes_plain_lines(tiny_dataset, tmp_path):
         assert re.search(rf"^epoch {epoch}/2: 3/3 batch \[", result.stderr, re.M), result.stderr
         assert re.search(rf"^epoch {epoch}: loss [0-9.]+  val top-1 ", result.stdout, re.M), result.stdout
     assert "validate" not in output  # the transient validation bar leaves no line
+
+
+def test_a_piped_evaluation_prints_a_line_per_set(tiny_dataset, tmp_path):
+    """evaluate's bars clear themselves from a terminal; through a pipe each set still ends with its line."""
+    trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "piped"}))
+    assert trained.returncode == 0, trained.stderr
+    result = run_cli("evaluate", "--checkpoint", tmp_path / "piped" / "final.pt", "--set", "eval.corruptions=[contrast]",
+                     "--set", "eval.corruptions_bar=[]", "--set", "eval.blt=false", "--set", "eval.plots=false",
+                     "--set", "train.progress=true")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^\S*validation\S*: 1/1 batch \[", result.stderr, re.M), result.stderr
+    assert re.search(r"^\S*contrast@3\S*: 1/1 batch \[", result.stderr, re.M), result.stderr
 
 
 def test_an_epoch_shorter_than_the_log_interval_shows_no_nan_loss(tiny_dataset, tmp_path):

@@ -55,7 +55,7 @@ def validate(model, loader, *, anchored: bool, references: FixedReferenceSet | N
     correct = {1: 0, 5: 0}
     seen = 0
     autocast = torch.autocast(loader.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-    for images, labels in progress_bar(loader, desc="validate", leave=False, enabled=progress, unit="batch"):
+    for images, labels in progress_bar(loader, desc="validate", transient=True, enabled=progress, unit="batch"):
         with autocast:
             prediction = predict(model, images, anchored=anchored, references=references, generator=generator, flip=flip)
         for k, hits in topk_correct(prediction.logits, labels).items():
