@@ -103,13 +103,17 @@ def report(options: o.ReportOptions, command: str) -> None:
 
 
 def recipes(options: o.RecipesOptions, command: str) -> None:
-    from fastanchor.cli.recipes import recipes_markdown, write_readme
+    import shutil
+
+    from fastanchor.cli.recipes import recipes_markdown, recipes_text, write_readme
 
     if options.readme:
         write_readme(Path(options.readme))
         print(f"recipe tables written into {options.readme}")
-    else:
+    elif options.markdown:
         print(recipes_markdown(), end="")
+    else:
+        print(recipes_text(min(100, max(40, shutil.get_terminal_size().columns))), end="")
 
 
 def demo(options: o.DemoOptions, command: str) -> None:

@@ -33,12 +33,12 @@ def comparison_rows(results: dict[str, dict]) -> list[tuple[str, list[str]]]:
         scores = dict.fromkeys(score for r in runs for score in r["ood"]["auroc"])
         sets = runs[0]["ood"]["sets"]  # several (shapes, textures): each set's row, then the mean evaluate reports
         for score in scores:
-            for name in sets if len(sets) > 1 else ():
-                rows.append((f"OOD AUROC, {score} on {name}", [f"{r['ood']['sets'][name][score]['auroc']:.4f}"
-                                                              if score in r["ood"]["sets"][name] else "-" for r in runs]))
+            for name in sets if len(sets) > 1 else ():  # in percent, as the SFT table below gives it
+                rows.append((f"OOD AUROC, {score} on {name} (%)", [f"{100 * r['ood']['sets'][name][score]['auroc']:.2f}"
+                                                                   if score in r["ood"]["sets"][name] else "-" for r in runs]))
             mean = f", mean over the {len(sets)} OOD sets" if len(sets) > 1 else ""
-            rows.append((f"OOD AUROC, {score}{mean}", [f"{r['ood']['auroc'][score]:.4f}" if score in r["ood"]["auroc"] else "-"
-                                                       for r in runs]))
+            rows.append((f"OOD AUROC, {score}{mean} (%)", [f"{100 * r['ood']['auroc'][score]:.2f}"
+                                                           if score in r["ood"]["auroc"] else "-" for r in runs]))
     return rows
 
 

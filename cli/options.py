@@ -65,6 +65,7 @@ class ReportOptions:
 class RecipesOptions:
     readme: str = option("", "rewrite the generated recipe block in this file (docs/recipes.md) instead of printing",
                          metavar="FILE.md")
+    markdown: bool = option(False, "print the Markdown tables (what --readme writes) instead of the wrapped listing")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Every recipe under configs/ (bases, named `_*.yaml`, left out) carries an ``about`` mapping:
 ``title``, ``aims_at`` (the published result and, where the source gives it, its hardware and
-time), ``source``, ``family`` (the table it belongs to), ``notes`` (what differs from the source). `fastanchor recipes` prints the tables generated from them, and
+time), ``source``, ``family`` (the table it belongs to), ``notes`` (what differs from the source). `fastanchor
+recipes` prints them wrapped to the terminal, `--markdown` the tables generated from them, and
 `fastanchor recipes --readme docs/recipes.md` rewrites the block between the markers in docs/recipes.md, so
 the docs cannot drift from the recipe files (tests/test_recipes.py checks it).
 
@@ -97,11 +98,15 @@ def measured_throughput(name: str, anchored: bool, results_dir: Path = RESULTS_D
         result = read_json(path, "benchmark result")
         if not isinstance(result, dict) or name not in ((result.get("config") or {}).get("recipes") or []):
             continue
-        device = (result.get("environment") or {}).get("device_name", "?")
+        environment = result.get("environment") or {}
+        device = environment.get("device_name", "?")
+        if environment.get("device") == "cpu":  # a CPU figure says so: it is no GPU's throughput
+            device += f" (CPU, {environment.get('usable_cpus', '?')} cores)"
         for case in result.get("cases", []):
             if case.get("status") == "ok" and case.get("unit") == "images/s" and case.get("name", "").endswith(kind):
                 batch = case.get("batch_size", "?")
-                found.append(f"{case['median']:.3g} images/s on {device}, batch {batch} ({path.name})")
+                found.append(f"{case['median']:.3g} images/s on {device}, the {result.get('benchmark', '?')} alone at "
+                             f"batch {batch} ({path.name})")
     return "; ".join(found) if found else "not yet measured"
 
 
@@ -134,6 +139,30 @@ def recipes_markdown(results_dir: Path = RESULTS_DIR) -> str:
                 f"`{launch_command(recipe, 8)}`", measured_throughput(recipe.name, recipe.config.anchor.enabled, results_dir))) + " |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def recipes_text(width: int = 100, results_dir: Path = RESULTS_DIR) -> str:
+    """The same as the tables, for a terminal: per family its source, per recipe what it trains, what it aims at, the
+    commands and the measured throughput, wrapped to `width` columns (the Markdown rows run to 600 and more)."""
+    import textwrap
+
+    names = sorted((n for n in recipe_names() if "/" in n), key=lambda n: (not n.startswith("imagenet/"), n))
+    lines, family = [], None
+    for recipe in (load_recipe(name) for name in names):
+        if recipe.about["family"] != family:
+            family = recipe.about["family"]
+            lines += ["" if lines else None, family, *textwrap.wrap(f"source: {recipe.about['source']}", width,
+                                                                      initial_indent="  ", subsequent_indent="    ")]
+        c = recipe.config
+        fields = {"trains": f"{c.model.name}, {c.train.epochs} epochs, {recipe.kind}, {c.data.loader} loader",
+                  "aims at": recipe.about["aims_at"], "1 GPU": launch_command(recipe, 1),
+                  "8 GPUs": launch_command(recipe, 8),
+                  "measured": measured_throughput(recipe.name, c.anchor.enabled, results_dir)}
+        lines.append(f"  {recipe.name}")
+        for label, text in fields.items():
+            lines += textwrap.wrap(f"{label}: {text}", width, initial_indent="    ", subsequent_indent="      ",
+                                   break_on_hyphens=False)
+    return "\n".join(line for line in lines if line is not None) + "\n"
 
 
 def readme_block(results_dir: Path = RESULTS_DIR) -> str:

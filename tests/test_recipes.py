@@ -224,8 +224,19 @@ def test_readme_recipe_tables_are_the_generated_ones(tmp_path):
             files = re.findall(r"\((step-[^)]+\.json)\)", cell)
             assert cell == "not yet measured" or (" images/s on " in cell and files
                                                   and all((results / name).is_file() for name in files)), cell
-    printed = run_main("recipes")
+    printed = run_main("recipes", "--markdown")
     assert printed.returncode == 0 and printed.stdout in block
+    cpu_cells = [line for line in block.splitlines() if line.startswith("| `") and "-cpu" in line and "images/s" in line]
+    assert all("(CPU, " in line and " alone at batch " in line for line in cpu_cells)  # a CPU figure says what it is
+
+
+def test_the_terminal_listing_is_wrapped_and_complete():
+    printed = run_main("recipes")  # not a terminal here: 80 columns (shutil's fallback), wrapped
+    assert printed.returncode == 0
+    assert max(len(line) for line in printed.stdout.splitlines()) <= 80
+    for name in RECIPES:
+        assert f"  {name}\n" in printed.stdout
+    assert "| --- |" not in printed.stdout
 
 
 def test_every_shipped_recipe_is_listed():
