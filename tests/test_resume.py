@@ -35,7 +35,7 @@ RESUMABLE = {
 
 
 def without_timing(records):
-    return [{k: v for k, v in r.items() if "per_s" not in k and k != "time"} for r in records]
+    return [{k: v for k, v in r.items() if "per_s" not in k and k not in ("time", "first_step_seconds")} for r in records]
 
 
 def read_jsonl(path):

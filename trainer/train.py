@@ -139,14 +139,15 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                            seed=config.eval.seed, dtype=run.step.autocast_dtype, progress=show, processes=processes,
                            flip=config.eval.flip_tta)
             record = {"epoch": epoch + 1, "step": at.step, "train_loss": epoch_loss,
-                      "train_images_per_s": processes.world_size * trained.seen / trained.seconds,
+                      "train_images_per_s": trained.rate, "first_step_seconds": trained.first_step_seconds,
                       "skipped_steps": at.skipped, "resolution": trained.resolution,
                       "train_input_shape": trained.input_shape, **val}
             log(record)
             if show:
                 loss_text = "n/a" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
                 write(f"epoch {epoch + 1}: loss {loss_text}  val top-1 {val['val_top1']:.2f}%  "
-                      f"top-5 {val['val_top5']:.2f}%  {record['train_images_per_s']:.0f} img/s")
+                      f"top-5 {val['val_top5']:.2f}%  {record['train_images_per_s']:.0f} img/s after the first step "
+                      f"({trained.first_step_seconds:.1f} s)")
             state.save(at, record)
             at.batch = 0
     finally:
@@ -164,8 +165,17 @@ class EpochStats:
     shown_loss: float  # the last logged loss window, shown on the progress bar
     seen: int = 0  # images trained on by this process
     seconds: float = 0.0  # the epoch's training time (its steps and mid-epoch checkpoints; validation not included)
+    first_step_seconds: float = 0.0  # until the first step ended: loader start-up, FFCV's numba compilation, autotuning
+    steady: tuple[float, int] | None = None  # (time, images seen) when the first step ended: rates are counted from it
+
+    def images_per_s(self, now: float, processes: int) -> float:
+        """Images/s of all processes after the epoch's first step (start-up excluded), or of the whole epoch so far
+        while it has had only one step."""
+        since, seen_then = self.steady if self.steady and self.seen > self.steady[1] else (self.started, 0)
+        return processes * (self.seen - seen_then) / max(now - since, 1e-9)
     input_shape: list | None = None  # the network input's [C, H, W]
     stopped: bool = False  # train.max_steps was reached
+    rate: float = 0.0  # the epoch's images/s after its first step (images_per_s at its end)
 
 
 def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: MetricsLog, *, resolution: int, epochs: int,
@@ -191,7 +201,10 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
         run.scheduler.step()
         stats.seen += batch.labels.numel()
         stats.input_shape = list(batch.inputs.shape[1:])
-        images_per_s = processes.world_size * stats.seen / (time.perf_counter() - stats.started)
+        now = time.perf_counter()
+        if stats.steady is None:
+            stats.first_step_seconds, stats.steady = now - stats.started, (now, stats.seen)
+        images_per_s = stats.images_per_s(now, processes.world_size)
         lr = run.scheduler.get_last_lr()[0]
         if at.step % log_interval == 0:
             window, bad_step = run.losses.read_window(processes)  # the one sync per log_interval steps
@@ -208,6 +221,7 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
             stats.stopped = True
             break
     stats.seconds = time.perf_counter() - stats.started
+    stats.rate = stats.images_per_s(stats.started + stats.seconds, processes.world_size)
     return stats
 
 
