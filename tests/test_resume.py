@@ -162,3 +162,33 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(tmp_path):
     unsafe = f"import torch; torch.load({str(crafted)!r}, weights_only=False)"
     subprocess.run([sys.executable, "-c", unsafe], check=True, capture_output=True)
     assert marker.exists()
+
+
+def test_a_finished_run_is_extended_by_more_epochs(tiny_dataset, tmp_path):
+    """`--resume auto --set train.epochs=2` on a finished 1-epoch run trains epoch 2 with the schedule recomputed for 2
+    epochs (as timm's --epochs on resume), says so, and its config.yaml and final.pt follow; fewer epochs than the
+    checkpoint has reached is one line."""
+    import yaml
+
+    from fastanchor.trainer.checkpoint.file import checkpoint_name
+
+    args = tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "extended", "optim.warmup_epochs": 0,
+                                                      "train.log_interval": 1})
+    assert run_main("train", *args).returncode == 0
+    run = tmp_path / "extended"
+    first = torch.load(run / "final.pt", weights_only=True)
+    extended = run_main("train", "--resume", "auto", *args, "--set", "train.epochs=2")
+    assert extended.returncode == 0, extended.stderr
+    assert "train.epochs 1 -> 2: the learning-rate schedule is recomputed for 2 epochs from step 3 on" in extended.stdout
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["epochs"] == 2
+    assert (run / "final.pt").resolve().name == checkpoint_name(2, 6, True)
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["epoch"] for r in records if "val_top1" in r] == [1, 2]
+    lr = {r["step"]: r["lr"] for r in records if "lr" in r}
+    peak = lr[1] / 0.75  # cosine over 1 epoch of 3 steps: 0.75 of the peak after step 1, 0 after step 3
+    assert lr[3] < 1e-9 and lr[4] == pytest.approx(0.25 * peak)  # recomputed for 2 epochs: cos at 4 of 6 steps
+    second = torch.load(run / "final.pt", weights_only=True)
+    assert second["config"]["train"]["epochs"] == 2 and first["config"]["train"]["epochs"] == 1
+    shortened = run_main("train", "--resume", "auto", *args, "--set", "train.epochs=1")
+    assert shortened.returncode == 2
+    assert "--resume: train.epochs = 1, but checkpoint" in shortened.stderr and "is already in epoch 2" in shortened.stderr

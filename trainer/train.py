@@ -100,7 +100,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     point = find_resume_point(config, resume)
     if point is not None:
         check_same_processes(point, processes.world_size)
-        if point.finished:
+        if point.finished(t.epochs):
             if processes.main:
                 RunFolder(point.run_dir).link_final(point.path)
                 print(f"nothing left to train: checkpoint '{point.path}' ends the run's last epoch", flush=True)
@@ -235,6 +235,10 @@ def prepare_run_folder(folder: RunFolder, config: Config, run: Training, point: 
         if run.label_noise is not None:
             folder.write_label_noise(run.label_noise)
     else:
+        if config.train.epochs != point.epochs:  # an extended (or shortened) run: config.yaml says its new length
+            folder.write_config(config)
+            print(f"train.epochs {point.epochs} -> {config.train.epochs}: the learning-rate schedule is recomputed for "
+                  f"{config.train.epochs} epochs from step {at.step} on", flush=True)
         moved = set_aside_newer(point.path)
         print(f"resuming from '{point.path}' (epoch {at.epoch + 1}, batch {at.batch} of {run.steps_per_epoch}, "
               f"step {at.step})" + (f"; {len(moved)} newer checkpoint(s) moved to {folder.checkpoints / 'superseded'}"

@@ -5,7 +5,9 @@ checkpoint (or starts it when it has none yet: the same command serves a first s
 restart of a preempted job); `--resume PATH` resumes the run PATH belongs to from PATH, with the
 config saved in it. A resumed run continues exactly where the checkpoint was written: the
 weights it ends with are bitwise those of an uninterrupted run on the same machine and software.
-Only options that cannot change the weights may differ from the checkpoint's (`changeable`).
+Only options that cannot change the weights may differ from the checkpoint's (`changeable`), and
+train.epochs, which extends a run (a finished one too, as timm's --epochs on resume does): the schedule
+is then recomputed for the new length from the step resumed, and the run says so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fastanchor.trainer.config import Config, config_from_dict, with_overrides
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 CHANGEABLE = (
+    "train.epochs",  # extends (or shortens) the run: its learning-rate schedule is recomputed for the new length
     "train.progress", "train.tensorboard", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",
     "train.keep_checkpoints", "train.out_dir", "train.run_name", "data.root", "data.cifar_dir", "data.workers",
     "data.eval_batch_size",
@@ -39,9 +42,13 @@ class ResumePoint:
         return RunFolder.of_checkpoint(self.path).root
 
     @property
-    def finished(self) -> bool:
-        config = self.state["config"]["train"]
-        return self.state["end_of_epoch"] and self.state["epoch"] >= config["epochs"]
+    def epochs(self) -> int:
+        """The run's train.epochs when the checkpoint was written."""
+        return self.state["config"]["train"]["epochs"]
+
+    def finished(self, epochs: int) -> bool:
+        """Whether the checkpoint ends a run of `epochs` epochs (the run's own, or more or fewer on an extension)."""
+        return self.state["end_of_epoch"] and self.state["epoch"] >= epochs
 
 
 def _flat(config: dict) -> dict:
@@ -94,6 +101,10 @@ def find_resume_point(config: Config, resume: str | None) -> ResumePoint | None:
         path = Path(resume)
     point = resumable(path)
     check_same_run(point.state["config"], config, path)
+    reached = point.state["epoch"] + (0 if point.state["end_of_epoch"] else 1)  # the epoch the checkpoint is in
+    if config.train.epochs < reached:
+        raise ConfigError(f"--resume: train.epochs = {config.train.epochs}, but checkpoint '{path}' is already in epoch "
+                          f"{reached}: expected at least {reached} (more than {point.epochs} extends the run)")
     return point
 
 
