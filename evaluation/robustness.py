@@ -35,7 +35,7 @@ from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_imag
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.pipeline.loaders.torchvision import Corruption
 from fastanchor.trainer.build import eval_loader
-from fastanchor.trainer.checkpoint.file import list_checkpoints
+from fastanchor.trainer.checkpoint.file import list_checkpoints, run_order
 from fastanchor.evaluation.effective_robustness import (
     TESTBED_FITS,
     Baseline,
@@ -87,6 +87,9 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
     if not found:
         raise DataError(f"run directory '{run_dir}' has no checkpoints: expected checkpoints/epoch_XXX.pt "
                         f"(and mid_epoch_XXX_step_XXXXXXXX.pt)")
+    if run_order(found[0].name)[0] > 1:  # train.keep_checkpoints deleted the first epoch's: the curve starts later
+        print(f"{run_dir.name}: its checkpoints start at {found[0].name}, the earlier ones deleted by "
+              f"train.keep_checkpoints; train with --set train.keep_checkpoints=0 to measure the whole run", flush=True)
     return found
 
 

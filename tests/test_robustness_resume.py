@@ -163,3 +163,18 @@ def test_a_torn_cache_entry_is_reported_and_measured_again(trained, tmp_path):
         assert len(warning) == 1 and str(entries[0]) in warning[0] and "ignored" in warning[0], result.stdout
         assert outputs(run)[0] == first
         assert said(robustness_cli(run), "epoch_001.pt") == "reused"  # written whole again
+
+
+def test_a_run_whose_first_checkpoints_were_deleted_says_where_its_curve_starts(tmp_path, capsys):
+    from fastanchor.evaluation.robustness import run_checkpoints
+
+    checkpoints = tmp_path / "pruned" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("mid_epoch_002_step_00000005.pt", "epoch_002.pt", "epoch_003.pt"):
+        (checkpoints / name).write_bytes(b"")
+    assert [p.name for p in run_checkpoints(tmp_path / "pruned")] == ["mid_epoch_002_step_00000005.pt", "epoch_002.pt",
+                                                                       "epoch_003.pt"]
+    assert "pruned: its checkpoints start at mid_epoch_002_step_00000005.pt" in capsys.readouterr().out
+    (checkpoints / "epoch_001.pt").write_bytes(b"")
+    run_checkpoints(tmp_path / "pruned")
+    assert capsys.readouterr().out == ""

@@ -144,7 +144,7 @@ class TrainConfig:
     progress: bool = option(True, "show progress with images/s: bars on a terminal, plain lines in a file or a pipe")
     tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (needs the tensorboard extra)")
     checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch)")
-    keep_checkpoints: int = option(0, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
+    keep_checkpoints: int = option(10, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
     nonfinite: str = option("stop", "on a nan/inf loss: stop the run naming the step, or skip that step's update", choices=("stop", "skip"))
     deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off)")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes (SyncBatchNorm; torchrun on CUDA)")
