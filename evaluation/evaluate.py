@@ -496,6 +496,8 @@ def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], id_outputs: dict[str, 
     summary = {"convention": CONVENTIONS[positive], "positive": positive, "scores_from": scores_from,
                "protocol": ev.ood_name, "score_protocols": score_protocols,
                "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
+               "images": {"id": int(len(next(iter(id_scores.values())))),
+                          **{name: int(len(next(iter(scores.values())))) for name, scores in values["ood"].items()}},
                "over": list(per_set), "sets": per_set,
                "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
                                for metric in ("auroc", "aupr", "fpr95")} for name in names}}

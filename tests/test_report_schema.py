@@ -16,17 +16,18 @@ from matplotlib.figure import Figure
 def eval_result(anchored, top1, sev1, sev5, sketch, smece, fpr95, auroc, with_plot=False):
     result = {
         "checkpoint": "final.pt", "anchored": anchored, "model": "resnet50", "epoch": 90,
-        "id": {"top1": top1, "top5": 93.0, "top1_k5": top1 + 0.5, "smece": 0.03, "ece": 0.04, "nll": 0.9},
+        "id": {"top1": top1, "top5": 93.0, "top1_k5": top1 + 0.5, "smece": 0.03, "ece": 0.04, "nll": 0.9, "images": 10000},
         "ms_per_1000": {"one_reference": 120.0, "k5": 600.0, "blt": 900.0},
         "corruptions": {"gaussian_noise@1": sev1[0], "contrast@1": sev1[1], "gaussian_noise@5": sev5[0], "contrast@5": sev5[1]},
         "corruption_mean_top1": float(np.mean(sev1 + sev5)),
         "shifts": {"gaussian_noise@1": {"kind": "corruption", "corruption": "gaussian_noise", "severity": 1,
                                         "top1": sev1[0], "smece": smece[0], "ece": smece[0] + 0.01},
-                   "imagenet-sketch": {"kind": "dataset", "top1": sketch, "smece": smece[1], "ece": smece[1] + 0.01}},
+                   "imagenet-sketch": {"kind": "dataset", "top1": sketch, "smece": smece[1], "ece": smece[1] + 0.01,
+                                       "images": 500}},
         "calibration": {"smece_mean": float(np.mean(smece)), "smece_std": float(np.std(smece)), "ece_mean": 0.2,
                         "ece_std": 0.05, "over": ["gaussian_noise@1", "imagenet-sketch"]},
         "ood": {"convention": "ID is the positive class; FPR95 is the fraction of OOD above the threshold keeping 95% of ID.",
-                "positive": "id", "auroc": {"energy": auroc},
+                "positive": "id", "auroc": {"energy": auroc}, "images": {"id": 10000, "textures": 5000},
                 "sets": {"textures": {"energy": {"auroc": auroc, "aupr": 0.7, "fpr95": fpr95},
                                       "msp": {"auroc": 0.75, "aupr": 0.65, "fpr95": 0.6}}}},
     }
@@ -77,6 +78,19 @@ def row(markdown: str, label: str, occurrence: int = 0) -> list[str]:
     return [cell.strip() for cell in lines[occurrence].strip("|").split("|")][1:]
 
 
+def binomial_margin(a: float, b: float, n_a: int, n_b: int) -> str:
+    """1.96 standard errors of a difference of two accuracies in %, by hand."""
+    return f"{196 * math.sqrt(a / 100 * (1 - a / 100) / n_a + b / 100 * (1 - b / 100) / n_b):.2f}"
+
+
+def auroc_margin(a: float, b: float, n_id: int, n_ood: int) -> str:
+    """1.96 standard errors of a difference of two AUROCs in %, each by Hanley and McNeil (1982), by hand."""
+    def variance(auc):
+        q1, q2 = auc / (2 - auc), 2 * auc ** 2 / (1 + auc)
+        return (auc * (1 - auc) + (n_ood - 1) * (q1 - auc ** 2) + (n_id - 1) * (q2 - auc ** 2)) / (n_id * n_ood)
+    return f"{196 * math.sqrt(variance(a / 100) + variance(b / 100)):.2f}"
+
+
 def test_every_section_with_hand_computed_values(tmp_path):
     standard, anchored = make_runs(tmp_path)
     # anchored first on the command line: deltas are still taken against the standard run
@@ -85,15 +99,17 @@ def test_every_section_with_hand_computed_values(tmp_path):
     out = tmp_path / "report"
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "| metric | resnet50-anchored | resnet50-standard | Δ resnet50-anchored − resnet50-standard |" in md
-    assert row(md, "ID top-1 (%)") == ["79.50", "80.00", "-0.50"]
-    assert row(md, "ID top-1, mean prediction over K references (%) (K: 5 / 5)") == ["80.00", "80.50", "-0.50"]
-    assert row(md, "corruptions, severity 1 (%)") == ["76.00", "72.00", "+4.00"]  # (75+77)/2 vs (70+74)/2
-    assert row(md, "corruptions, severity 5 (%)") == ["38.50", "35.00", "+3.50"]
-    assert row(md, "imagenet-sketch (%)") == ["22.50", "20.00", "+2.50"]
+    # accuracies on 10,000 ID images (sketch: 500): every delta with 1.96 binomial standard errors
+    assert row(md, "ID top-1 (%)") == ["79.50", "80.00", f"-0.50 ± {binomial_margin(79.5, 80.0, 10000, 10000)}"]
+    assert row(md, "ID top-1, mean prediction over K references (%) (K: 5 / 5)") == [
+        "80.00", "80.50", f"-0.50 ± {binomial_margin(80.0, 80.5, 10000, 10000)}"]
+    assert row(md, "corruptions, severity 1 (%)") == ["76.00", "72.00", f"+4.00 ± {binomial_margin(76, 72, 10000, 10000)}"]
+    assert row(md, "corruptions, severity 5 (%)") == ["38.50", "35.00", f"+3.50 ± {binomial_margin(38.5, 35, 10000, 10000)}"]
+    assert row(md, "imagenet-sketch (%)") == ["22.50", "20.00", f"+2.50 ± {binomial_margin(22.5, 20, 500, 500)}"]
     assert row(md, "imagenet-sketch smECE ↓") == ["0.130", "0.160", "-0.030"]
     assert row(md, "smECE mean ± std over shifts ↓") == ["0.110 ± 0.020", "0.130 ± 0.030", "-0.020"]
     assert row(md, "textures · energy · FPR95 ↓ (%)") == ["40.00", "50.00", "-10.00"]
-    assert row(md, "textures · energy · AUROC ↑ (%)") == ["85.00", "80.00", "+5.00"]
+    assert row(md, "textures · energy · AUROC ↑ (%)") == ["85.00", "80.00", f"+5.00 ± {auroc_margin(85, 80, 10000, 5000)}"]
     assert row(md, "textures · msp · AUPR ↑ (%)") == ["65.00", "65.00", "+0.00"]
     assert row(md, "last epoch: effective robustness (pp)") == ["2.50", "0.10", "+2.40"]
     assert row(md, "mean effective robustness over epochs (pp)") == ["2.00", "0.05", "+1.95"]
@@ -104,9 +120,17 @@ def test_every_section_with_hand_computed_values(tmp_path):
     assert "SFT (sharpness-aware OOD fine-tuning) of resnet50-anchored: before → after" in md
     sft = md[md.index("SFT (sharpness"):]
     assert row(sft, "textures · energy · FPR95 ↓ (%)") == ["40.00", "30.00", "-10.00"]
-    assert row(sft, "ID top-1 (%)") == ["79.50", "79.00", "-0.50"]
-    # lower FPR95 is better: the HTML marks that delta as an improvement, the lower ID top-1 as worse
-    assert '<td class="better">-10.00</td>' in page and '<td class="worse">-0.50</td>' in page
+    assert row(sft, "ID top-1 (%)") == ["79.50", "79.00", f"-0.50 ± {binomial_margin(79.5, 79.0, 10000, 10000)}"]
+    # coloured only beyond the noise: +4.00 points on 10,000 images is better, -0.50 and the sketch's +2.50 on 500 are
+    # within it; an FPR95 delta (no standard error here) is never coloured
+    assert f'<td class="better">+4.00 ± {binomial_margin(76, 72, 10000, 10000)}</td>' in page
+    assert f'<td>-0.50 ± {binomial_margin(79.5, 80.0, 10000, 10000)}</td>' in page
+    assert f'<td>+2.50 ± {binomial_margin(22.5, 20, 500, 500)}</td>' in page
+    assert '<td>-10.00</td>' in page and 'class="worse"' not in page.split("SFT (sharpness")[0]
+    assert "coloured only beyond that" in md
+    # what a run lacks is said, not silently blank (docs/report.md)
+    assert ("resnet50-standard: no finetune_ood/summary.json, so its cells from that file are blank "
+            "(fastanchor finetune-ood writes it).") in md
     assert "ID is the positive class" in md and "Positive class: id." in md
 
     figures = sorted(p.name for p in (out / "figures").glob("*.png"))
@@ -154,5 +178,5 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     broken.mkdir()
     (broken / "eval.json").write_text("{not json")
     result = run_main("report", broken)
-    assert result.returncode == 2 and "broken/eval.json' is not valid JSON" in result.stderr
+    assert result.returncode == 2 and "broken/eval.json' is not complete JSON" in result.stderr
     assert not (broken / "report").exists() and not (tmp_path / "report").exists()

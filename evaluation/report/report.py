@@ -30,6 +30,7 @@ from fastanchor.evaluation.report.tables import (
     percent,
     reference_index,
     benchmark_severity_means,
+    Z,
     table_cells,
 )
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
@@ -80,6 +81,22 @@ def load_run(run_dir: str | Path) -> RunResults:
         raise DataError(f"run directory '{run_dir}' has no result files: expected eval.json (fastanchor evaluate), "
                         "robustness_over_training.json, linear_probe.json or finetune_ood/summary.json")
     return RunResults(run_dir.name, str(run_dir), run_is_anchored(run_dir, list(files.values())), **files)
+
+
+RESULT_FILES = {"eval": ("eval.json", "fastanchor evaluate"), "robustness": ("robustness_over_training.json",
+                                                                          "fastanchor robustness"),
+                "probe": ("linear_probe.json", "fastanchor linear-probe"),
+                "sft": ("finetune_ood/summary.json", "fastanchor finetune-ood")}
+
+
+def missing_notes(runs: list[RunResults]) -> list[str]:
+    """One note per result file that some runs have and others lack: their cells are blank, and why."""
+    notes = []
+    for key, (name, command) in RESULT_FILES.items():
+        lacking = [r.name for r in runs if getattr(r, key) is None]
+        if lacking and len(lacking) < len(runs):
+            notes.append(f"{', '.join(lacking)}: no {name}, so its cells from that file are blank ({command} writes it).")
+    return notes
 
 
 def unique_names(runs: list[RunResults]) -> None:
@@ -239,22 +256,12 @@ figcaption { font-size: 0.85em; color: #444; max-width: 40em; }
 """
 
 
-def delta_class(text: str, better: str | None) -> str:
-    if not better or text in ("", "–") or text.lstrip("+-").strip("0.") == "":
-        return ""
-    improved = text.startswith("+") == (better == "higher")
-    return "better" if improved else "worse"
-
-
 def html_table(table: Table, names: list[str], ref: int) -> str:
-    header, body = table_cells(table, names, ref)
-    runs = len(table.columns or names)
+    header, body, marks = table_cells(table, names, ref)
     out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
-    for row, cells in zip(table.rows, body):
-        tds = []
-        for i, cell in enumerate(cells):
-            css = delta_class(cell, row.better) if i > runs else ""
-            tds.append(f"<td class=\"{css}\">{html.escape(cell)}</td>" if css else f"<td>{html.escape(cell)}</td>")
+    for cells, css in zip(body, marks):
+        tds = [f"<td class=\"{c}\">{html.escape(cell)}</td>" if c else f"<td>{html.escape(cell)}</td>"
+               for cell, c in zip(cells, css)]
         out.append("<tr>" + "".join(tds) + "</tr>")
     out.append("</table>")
     if table.note:
@@ -263,7 +270,7 @@ def html_table(table: Table, names: list[str], ref: int) -> str:
 
 
 def markdown_table(table: Table, names: list[str], ref: int) -> str:
-    header, body = table_cells(table, names, ref)
+    header, body, _ = table_cells(table, names, ref)
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
@@ -325,13 +332,15 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     runs = [load_run(r) for r in run_dirs]
     unique_names(runs)
     names, ref = [r.name for r in runs], reference_index(runs)
-    notes: list[str] = []
+    notes: list[str] = missing_notes(runs)
     tables = all_tables(runs)
     figures = all_figures(runs, notes)
     figure_dir = out_dir / "figures"
     labels = ", ".join(plots.run_label(r.name, r.anchored) for r in runs)
     intro = (f"{len(runs)} run(s): {labels}. "
-             f"Deltas are against {names[ref]}. Generated {datetime.now():%Y-%m-%d %H:%M} from the runs' result files.")
+             f"Deltas are against {names[ref]}, ± {Z} standard errors of the measurement's noise where the number of "
+             f"images behind it is known (binomial for accuracies, Hanley and McNeil for AUROC); a delta is coloured "
+             f"only beyond that. Generated {datetime.now():%Y-%m-%d %H:%M} from the runs' result files.")
     paths = {}
     for figure in figures:
         paths[figure.name] = plots.write_png(figure_dir / f"{figure.name}.png", figure.png)

@@ -20,6 +20,28 @@ class Row:
     values: list  # per run: a number, (mean, std), a string, or None
     fmt: str = "{:.2f}"
     better: str | None = None  # "higher" or "lower" for metrics with deltas; None: no delta
+    # per run, what a value was measured on, for the delta's uncertainty: images (an accuracy in %) or (ID, OOD)
+    # images (an AUROC in %); None where unknown: that delta is shown without one and never coloured
+    counts: list | None = None
+
+
+Z = 1.96  # a delta is coloured (better / worse) only beyond Z standard errors of its measurement noise
+
+
+def standard_error(value: float, count) -> float | None:
+    """The standard error, in %, of an accuracy (count: images; binomial) or an AUROC (count: (ID, OOD) images;
+    Hanley and McNeil 1982) given in %; None when the count is unknown."""
+    if count is None:
+        return None
+    p = value / 100
+    if isinstance(count, (tuple, list)):
+        n_id, n_ood = count
+        if not n_id or not n_ood:
+            return None
+        q1, q2 = p / (2 - p), 2 * p * p / (1 + p)
+        variance = (p * (1 - p) + (n_ood - 1) * (q1 - p * p) + (n_id - 1) * (q2 - p * p)) / (n_id * n_ood)
+        return 100 * max(variance, 0.0) ** 0.5
+    return 100 * (p * (1 - p) / count) ** 0.5 if count else None
 
 
 @dataclass
@@ -91,18 +113,29 @@ def format_cell(value, fmt: str) -> str:
     return format_number(value, fmt)
 
 
-def delta(value, reference, fmt: str) -> str:
-    """Signed difference value - reference ("–" when either is missing)."""
-    value = value[0] if isinstance(value, tuple) else value
-    reference = reference[0] if isinstance(reference, tuple) else reference
+def delta(row: Row, i: int, ref: int) -> tuple[str, str]:
+    """Run i's value minus the reference run's ("–" when either is missing), with ± Z standard errors where the
+    counts are known, and its mark: "better" or "worse" only when it lies beyond that uncertainty, else ""."""
+    value, reference = (v[0] if isinstance(v, tuple) else v for v in (row.values[i], row.values[ref]))
     if not isinstance(value, (int, float)) or not isinstance(reference, (int, float)):
-        return "–"
-    text = format_number(value - reference, fmt)
-    return text if text.startswith("-") else "+" + text
+        return "–", ""
+    difference = value - reference
+    text = format_number(difference, row.fmt)
+    text = text if text.startswith("-") else "+" + text
+    counts = row.counts or [None] * len(row.values)
+    errors = [standard_error(v, n) for v, n in ((value, counts[i]), (reference, counts[ref]))]
+    if None in errors:
+        return text, ""
+    margin = Z * (errors[0] ** 2 + errors[1] ** 2) ** 0.5
+    text += f" ± {format_number(margin, row.fmt)}"
+    if abs(difference) <= margin:
+        return text, ""
+    return text, "better" if (difference > 0) == (row.better == "higher") else "worse"
 
 
-def table_cells(table: Table, names: list[str], ref: int) -> tuple[list[str], list[list[str]]]:
-    """Header and formatted body of a table: metric, one column per run, one delta column per other run.
+def table_cells(table: Table, names: list[str], ref: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    """Header, formatted body and each body cell's mark (better, worse or "") of a table: metric, one column per
+    run, one delta column per other run.
 
     A table with its own `columns` (before/after) takes deltas against its first column.
     """
@@ -110,12 +143,12 @@ def table_cells(table: Table, names: list[str], ref: int) -> tuple[list[str], li
     has_deltas = len(names) > 1 and any(row.better for row in table.rows)
     others = [i for i in range(len(names)) if i != ref] if has_deltas else []
     header = ["metric", *names, *[f"Δ {names[i]} − {names[ref]}" for i in others]]
-    body = []
+    body, marks = [], []
     for row in table.rows:
-        cells = [row.label, *(format_cell(v, row.fmt) for v in row.values)]
-        cells += [delta(row.values[i], row.values[ref], row.fmt) if row.better else "" for i in others]
-        body.append(cells)
-    return header, body
+        deltas = [delta(row, i, ref) if row.better else ("", "") for i in others]
+        body.append([row.label, *(format_cell(v, row.fmt) for v in row.values), *(text for text, _ in deltas)])
+        marks.append([""] * (1 + len(row.values)) + [mark for _, mark in deltas])
+    return header, body, marks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,23 +206,27 @@ def runs_info_table(runs: list[RunResults]) -> Table:
 
 def generalisation_table(runs: list[RunResults]) -> Table | None:
     evals = [r.eval or {} for r in runs]
-    rows = [Row("ID top-1 (%)", [number(get(e, "id", "top1")) for e in evals], better="higher"),
-            Row("ID top-5 (%)", [number(get(e, "id", "top5")) for e in evals], better="higher")]
+    images = [number(get(e, "id", "images")) for e in evals]
+    rows = [Row("ID top-1 (%)", [number(get(e, "id", "top1")) for e in evals], better="higher", counts=images),
+            Row("ID top-5 (%)", [number(get(e, "id", "top5")) for e in evals], better="higher", counts=images)]
     ks = [k_reference_key(get(e, "id"), "top1_k") for e in evals]
     rows.append(Row(f"ID top-1, mean prediction over K references (%) (K: {k_label(ks)})",
-                    [number(get(e, "id", key)) if key else None for e, key in zip(evals, ks)], better="higher"))
+                    [number(get(e, "id", key)) if key else None for e, key in zip(evals, ks)], better="higher",
+                    counts=images))
     per_run = [benchmark_severity_means(e) for e in evals]
     counts = sorted({n for m in per_run for by in m.values() for _, n in by.values()})
     for benchmark in _ordered_union(per_run):
         means = [m.get(benchmark, {}) for m in per_run]
         for severity in sorted({s for m in means for s in m}):
             rows.append(Row(f"{benchmark}, severity {severity} (%)", [m[severity][0] if severity in m else None for m in means],
-                            better="higher"))
-    rows.append(Row("corruptions, mean over all (%)", [number(get(e, "corruption_mean_top1")) for e in evals], better="higher"))
+                            better="higher", counts=images))  # a mean over sets of the same images: as noisy as one
+    rows.append(Row("corruptions, mean over all (%)", [number(get(e, "corruption_mean_top1")) for e in evals], better="higher",
+                    counts=images))
     for name in _ordered_union(get(e, "shifts") for e in evals):
         if all(get(e, "shifts", name, "kind") in (None, "dataset") for e in evals) and \
                 any(get(e, "shifts", name, "kind") == "dataset" for e in evals):
-            rows.append(Row(f"{name} (%)", [number(get(e, "shifts", name, "top1")) for e in evals], better="higher"))
+            rows.append(Row(f"{name} (%)", [number(get(e, "shifts", name, "top1")) for e in evals], better="higher",
+                            counts=[number(get(e, "shifts", name, "images")) for e in evals]))
     rows = _keep(rows)
     if not rows:
         return None
@@ -244,7 +281,9 @@ def protocol_table(runs: list[RunResults]) -> Table | None:
 def corruption_detail_table(runs: list[RunResults]) -> Table | None:
     evals = [r.eval or {} for r in runs]
     keys = _ordered_union(get(e, "corruptions") for e in evals)
-    rows = _keep([Row(f"{k} (%)", [number(get(e, "corruptions", k)) for e in evals], better="higher") for k in keys])
+    rows = _keep([Row(f"{k} (%)", [number(get(e, "corruptions", k)) for e in evals], better="higher",
+                      counts=[number(get(e, "shifts", k, "images")) or number(get(e, "id", "images")) for e in evals])
+                  for k in keys])
     return Table("Top-1 per corruption and severity", rows) if rows else None
 
 
@@ -278,8 +317,10 @@ def anomaly_table(runs: list[RunResults]) -> Table | None:
         for score in scores:
             for metric, label, better in (("auroc", "AUROC ↑", "higher"), ("aupr", "AUPR ↑", "higher"),
                                           ("fpr95", "FPR95 ↓", "lower")):
+                pairs = [(get(e, "ood", "images", "id"), get(e, "ood", "images", name)) for e in evals]
                 rows.append(Row(f"{name} · {score} · {label} (%)",
-                                [percent(get(e, "ood", "sets", name, score, metric)) for e in evals], better=better))
+                                [percent(get(e, "ood", "sets", name, score, metric)) for e in evals], better=better,
+                                counts=[p if None not in p else None for p in pairs] if metric == "auroc" else None))
     if not sets:
         for score in _ordered_union(get(e, "ood", "auroc") for e in evals):
             rows.append(Row(f"OOD split · {score} · AUROC ↑ (%)", [percent(get(e, "ood", "auroc", score)) for e in evals],
