@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from fastanchor.errors import ConfigError
 from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import OnDevice
+from fastanchor.pipeline.loaders.registry import LOADERS
 from fastanchor.trainer.config import Recipe
 
-# the built-in entries of benchmarks.loaders.LOADERS
-LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg", "nvjpeg-pipelined")
 # "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
 OP_PATHS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
             "triton:cl-rcp", "numba")
@@ -167,7 +166,7 @@ class ImageDataOptions(CommonOptions):
 
 @dataclass
 class LoaderOptions(ImageDataOptions):
-    loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADER_NAMES))
+    loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADERS))
     batch_size: int = option(0, "batch size of every loader (0: 64 on CPU, 256 on CUDA)")
     image_size: int = option(176, "output side in pixels (random-resized-crop, then flip)")
 
@@ -231,7 +230,7 @@ them: its data.loader, crop, flip and policy, its model at its first-epoch resol
 augmentations, mixing, masking (anchor.alpha and mask_level) and precision (--loader, --model, --batch-size and
 --alpha still choose where given)."""
 
-    loader: str = option("", "loader: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
+    loader: str = option("", "loader: " + ", ".join(LOADERS) + " (default: ffcv on CPU, nvjpeg on CUDA)")
     model: str = option("", "<model>@<size> trained (default: fastanchor_resnet_tiny@64 on CPU, resnet50@176 on CUDA)")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     alpha: float = option(-1.0, "reference-masking probability of the anchored runs (-1: the recipe's, else 0.2)")
@@ -242,7 +241,7 @@ augmentations, mixing, masking (anchor.alpha and mask_level) and precision (--lo
         if self.model:
             parse_model_at(self.model)
         return super().checks() + [
-            ("loader", self.loader == "" or self.loader in LOADER_NAMES, f"one of {', '.join(LOADER_NAMES)}"),
+            ("loader", self.loader == "" or self.loader in LOADERS, f"one of {', '.join(LOADERS)}"),
             ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2"),
             ("alpha", self.alpha == -1 or 0 <= self.alpha <= 1, "-1 (the recipe's) or a probability in [0, 1]"),
             ("profile_batches", self.profile_batches >= 0, "0 (no profile) or a number of batches"),
