@@ -8,6 +8,6 @@ process, interleaved, as medians of repetitions; results written under results/.
     fastanchor bench e2e       loader + op + step; standard vs anchored vs the naive design
     fastanchor bench readme    the generated blocks of README.md and docs/*.md from the result files
 
-`python -m fastanchor.benchmarks WHAT ...` is the same command; `benchmarks/run_cpu.sh` and
-`benchmarks/run_gpu.sh` run the full sets.
+`python -m fastanchor.benchmarks WHAT ...` is the same command; `scripts/run_cpu.sh` and
+`scripts/run_gpu.sh` run the full sets.
 """

@@ -13,7 +13,7 @@ under the benchmark's precision and layout, with
     6 padded in the layer     the same, the 6-channel input padded to 8 inside every call (a model-side fix)
 
 with and without cuDNN autotuning, and prints one table (medians of `--iterations` timed calls, in ms).
-Writes nothing; benchmarks/step_gap.sh runs it beside `bench step --profile-steps`.
+Writes nothing; scripts/step_gap.sh runs it beside `bench step --profile-steps`.
 
     python -m fastanchor.benchmarks.first_layer --device cuda --models resnet50@176,vit_base_patch16_224@224
 """

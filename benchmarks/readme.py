@@ -151,10 +151,10 @@ def render_block(results: list[tuple[Path, dict]], readme_dir: Path) -> str:
     devices = {result["environment"]["device"] for _, result in results}
     if "cuda" not in devices:
         lines += ["", "GPU figures are not yet measured: no result file from a CUDA device exists under "
-                      "`results/` (`benchmarks/run_gpu.sh` writes them on a CUDA machine)."]
+                      "`results/` (`scripts/run_gpu.sh` writes them on a CUDA machine)."]
     if "cpu" not in devices:
         lines += ["", "CPU figures are not yet measured: no result file from a CPU run exists under "
-                      "`results/` (`benchmarks/run_cpu.sh` writes them)."]
+                      "`results/` (`scripts/run_cpu.sh` writes them)."]
     for path, result in results:
         if result["config"].get("recipe"):
             continue  # per-recipe step results appear in the Recipes table (`fastanchor recipes`)

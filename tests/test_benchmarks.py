@@ -181,6 +181,30 @@ def test_op_benchmark(results):
 
 
 
+def test_a_plain_benchmark_run_writes_under_runs_and_publishes_only_with_record(tmp_path, monkeypatch):
+    """By default the result files go to runs/bench under the working directory (git-ignored), and the committed
+    evidence in results/ is untouched; --record DIR also writes the same files into DIR."""
+    def committed_files() -> dict:
+        return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in (REPO / "results").rglob("*")
+                if path.is_file()}
+
+    committed = committed_files()
+    assert "runs/" in (REPO / ".gitignore").read_text().split()
+    monkeypatch.chdir(tmp_path)
+    tiny = ["op", *COMMON, "--batch-size", 2, "--image-size", 16, "--iterations", 1, "--step-model", "none",
+            "--paths", "torch"]
+    assert run_main("bench", *tiny).returncode == 0
+    runs = tmp_path / "runs" / "bench"
+    assert sorted(path.name for path in runs.iterdir()) == ["op-cpu.json", "op-cpu.md", "op-cpu.png"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["runs"]
+    outcome = run_main("bench", *tiny, "--record", tmp_path / "evidence")
+    assert outcome.returncode == 0 and "recorded: " in outcome.stdout
+    recorded = tmp_path / "evidence" / "op-cpu.json"
+    assert recorded.read_text() == (runs / "op-cpu.json").read_text()
+    assert (tmp_path / "evidence" / "op-cpu.png").exists() and (tmp_path / "evidence" / "op-cpu.md").exists()
+    assert committed_files() == committed
+
+
 def test_op_benchmark_times_kernel_variants_after_checking_them(results, monkeypatch):
     """`--paths triton:VARIANT` on the CPU under the Triton interpreter (the rehearsal of the GPU command):
     each variant's output is compared with the torch reference before it is timed, and the check is recorded."""
@@ -233,7 +257,7 @@ def test_fast_path_compiles_without_spills_or_shared_memory_to_16_byte_stores(mo
     assert "STG.E.128" not in found["strided"]["stores"]
 
 def test_step_benchmark(results):
-    result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1,
+    result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--set", "data.batch_size=4", "--steps", 1,
                    "--num-classes", 4, "--out", results)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
@@ -248,8 +272,8 @@ def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
     """--profile-steps: one torch.profiler table per case, the stage and the step as ranges; only the anchored cases
     run the anchoring op, and the process's cuDNN setting is what it was (--cudnn-benchmark is the run's alone)."""
     before = torch.backends.cudnn.benchmark
-    bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1, "--num-classes", 4,
-          "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
+    bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--set", "data.batch_size=4", "--steps", 1,
+          "--num-classes", 4, "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
     assert torch.backends.cudnn.benchmark == before
     tables = {kind: (tmp_path / f"step-cpu-profile-fastanchor_resnet_tiny-16-{kind}.txt").read_text()
               for kind in ("standard", "anchored", "anchored-masked")}
@@ -266,9 +290,10 @@ def test_step_benchmark_compile_steps_through_the_compiled_model():
     which a compiled model without len() refuses (TypeError), so --compile never ran. Building is enough here
     (compiling happens at the first call)."""
     from fastanchor.benchmarks.train_step import TrainingSetup
+    from fastanchor.trainer.config import load_config
 
-    setup = TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
-                          channels_last=False, compile=True, num_classes=4, seed=0)
+    config = load_config(None, ["data.image_size=16", "train.amp=off", "train.channels_last=false", "train.compile=true"])
+    setup = TrainingSetup(config, anchored=True, device=torch.device("cpu"), num_classes=4)
     assert isinstance(setup.step.forward, torch._dynamo.eval_frame.OptimizedModule)
     assert setup.step.forward._orig_mod is setup.step.model
 
@@ -276,8 +301,8 @@ def test_step_benchmark_compile_steps_through_the_compiled_model():
 def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
     from fastanchor.cli.recipes import measured_throughput, recipes_markdown
 
-    result = bench("step", *COMMON, "--config", "cifar/cifar10_wrn40_2_anchored", "--batch-size", 2, "--steps", 1,
-                   "--out", tmp_path)
+    result = bench("step", *COMMON, "--config", "cifar/cifar10_wrn40_2_anchored", "--set", "data.batch_size=2",
+                   "--steps", 1, "--out", tmp_path)
     wrn = ["cifar/cifar100_wrn40_2", "cifar/cifar100_wrn40_2_anchored", "cifar/cifar10_wrn40_2", "cifar/cifar10_wrn40_2_anchored"]
     assert result["config"]["recipes"] == wrn  # every recipe training WRN-40-2 at 32 px
     assert sorted(cases(result)) == [f"fastanchor_wrn40_2@32 {kind}" for kind in ("anchored", "anchored+masked", "standard")]
@@ -294,8 +319,9 @@ def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path
 
 def test_end_to_end_benchmark(tiny_dataset, results):
     result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
-                   "--workers", 0, "--model", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--warmup-batches", 1,
-                   "--out", results, "--tag", "tiny", "--profile-batches", 2)
+                   "--workers", 0, "--set", "model.name=fastanchor_resnet_tiny", "--set", "data.image_size=16",
+                   "--set", "data.batch_size=4", "--warmup-batches", 1, "--out", results, "--tag", "tiny",
+                   "--profile-batches", 2)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
     for kind in ("standard", "anchored", "naive"):
@@ -416,8 +442,9 @@ def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):
         (["step", "--models", "resnet18", "--no-progress"], "expected <model name>@<image side"),
         (["loader", "--data", tmp_path / "missing", "--no-progress"], "does not exist"),
         (["loader", "--data", tiny_dataset / "train", "--loaders", "ffcv,tensorflow", "--no-progress"], "tensorflow"),
-        (["e2e", "--data", tiny_dataset / "train", "--batch-size", 64, "--loader", "torchvision", "--no-progress"],
-         "fewer than warmup_batches"),
+        (["e2e", "--data", tiny_dataset / "train", "--set", "data.batch_size=64", "--loader", "torchvision",
+          "--no-progress"], "fewer than warmup_batches"),
+        (["step", "--set", "train.amp=fast", "--no-progress"], "train.amp = 'fast': expected one of auto, bf16"),
     ]:
         outcome = run_main("bench", *args, "--out", tmp_path)
         assert outcome.returncode == 2 and expected in outcome.stderr, outcome.stderr

@@ -186,9 +186,12 @@ def test_bench_step_builds_its_step_and_stage_from_the_recipe():
     planned = train_step.plan(StepOptions(recipe="demo", device="cpu"), torch.device("cpu"))
     assert planned.config.optim.name == "adamw" and planned.models == [train_step.model_at_resolution(planned.config)]
     config = load_config("demo", ["augment.augmix=true", "augment.mixup_alpha=0.2", "optim.label_smoothing=0.1",
-                                  "optim.grad_clip=1.5"])
-    setup = train_step.TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
-                                     channels_last=False, compile=False, num_classes=4, seed=0, config=config)
+                                  "optim.grad_clip=1.5", "data.image_size=16", "train.amp=off",
+                                  "train.channels_last=false"])
+    before = config.to_dict()
+    setup = train_step.TrainingSetup(config, anchored=True, device=torch.device("cpu"), num_classes=4)
+    assert config.to_dict() == before and setup.config is not config  # the setup builds a new config, never edits one
+    assert (setup.config.anchor.enabled, setup.config.optim.lr) == (True, train_step.BENCH_LR)
     step = setup.step
     assert isinstance(step.optimizer, torch.optim.AdamW) and step.optimizer.param_groups[0]["lr"] == train_step.BENCH_LR
     assert (step.mixer.mixup_alpha, step.label_smoothing, step.grad_clip) == (0.2, 0.1, 1.5)
@@ -217,9 +220,12 @@ def test_bench_e2e_builds_its_loader_and_step_from_the_recipe(tiny_dataset, tmp_
         assert build_parser().parse_args(["bench", "e2e", flag, str(recipe)]).recipe == str(recipe)
     options = EndToEndOptions(recipe=str(recipe), device="cpu", data=str(tiny_dataset / "train"), workers=1, seed=3)
     device = torch.device("cpu")
-    config, loader_name, model, size, batch = end_to_end.e2e_settings(options, device)
+    before = dataclasses.asdict(options)
+    chosen = end_to_end.e2e_plan(options, device)
+    config, loader_name, model, size, batch = (chosen.config, chosen.loader, chosen.model, chosen.image_size,
+                                               chosen.config.data.batch_size)
     assert (loader_name, model, size, batch) == ("torchvision", "fastanchor_resnet_tiny", 16, 8)
-    assert (options.amp, options.channels_last) == (config.train.amp, config.train.channels_last)
+    assert dataclasses.asdict(options) == before  # the options are read, never rewritten
     request = bench_loaders.make_request(options, device, batch_size=batch, image_size=size, recipe=config)
     spec = bench_loaders.loader_spec(request)
     assert (spec.crop, spec.padding, spec.hflip, spec.min_scale, spec.workers) == ("padded", 2, False, config.data.min_scale, 1)
@@ -230,6 +236,5 @@ def test_bench_e2e_builds_its_loader_and_step_from_the_recipe(tiny_dataset, tmp_
     assert type(benched) is type(trained) and len(benched) == len(trained)
     for (bench_images, bench_labels), (train_images, train_labels) in zip(benched, trained):
         assert torch.equal(bench_images, train_images) and torch.equal(bench_labels, train_labels)
-    setup = train_step.TrainingSetup(model, size, anchored=True, device=device, amp="off", channels_last=False,
-                                     compile=False, num_classes=4, seed=0, config=config)
+    setup = train_step.TrainingSetup(config, anchored=True, device=device, num_classes=4)
     assert isinstance(setup.step.optimizer, torch.optim.AdamW) and config.optim.name == "adamw"
