@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fastanchor.errors import ConfigError
 from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import OnDevice, Overrides
-from fastanchor.pipeline.loaders.registry import LOADERS
+from fastanchor.pipeline.loaders.registry import LOADERS, TRAINING_LOADERS
 from fastanchor.trainer.config import Recipe
 
 # "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
@@ -148,12 +148,6 @@ class DataOptions(Checked):
 
 
 @dataclass
-class ReadmeOptions:
-    results: str = option("results", "directory of the result files")
-    readme: str = option("README.md", "the README to rewrite, with the docs/*.md beside it")
-
-
-@dataclass
 class ImageDataOptions(CommonOptions):
     """The JPEGs a loader reads, and how its epochs are timed."""
 
@@ -252,6 +246,64 @@ FFCV on CPU; resnet50 at 176 px, batch 256 and nvJPEG on CUDA."""
         return super().checks() + [
             ("loader", self.loader == "" or self.loader in LOADERS, f"one of {', '.join(LOADERS)}"),
             ("profile_batches", self.profile_batches >= 0, "0 (no profile) or a number of batches"),
+        ]
+
+
+@dataclass
+class FirstLayerOptions(Checked):
+    """Forward and weight gradient of each model's first layer under the benchmark's precision and layout: 3 channels,
+6, 6 + 2 zero channels, and 6 padded to 8 inside the layer; medians of --iterations calls, one table. Writes nothing."""
+
+    device: str = option("cuda", "cuda or cpu", choices=("cuda", "cpu"))
+    models: str = option(GPU_STEP_MODELS, "comma-separated <model>@<size>")
+    batch_size: int = option(256, "batch size")
+    iterations: int = option(20, "timed calls per layer")
+
+    def checks(self):
+        for text in names_list(self.models):
+            parse_model_at(text)
+        return super().checks() + [
+            ("models", bool(names_list(self.models)), "one or more <model>@<size>"),
+            ("batch_size", self.batch_size >= 1, "a positive batch size"),
+            ("iterations", self.iterations >= 1, "at least 1"),
+        ]
+
+
+@dataclass
+class OpSassOptions(Checked):
+    """Compiled for an sm_90 GPU at the op benchmark's setting (batch 256, 176 px, bf16, channels-last) through a stub
+driver, with triton's bundled ptxas and cuobjdump: per variant its SASS counts (docs/notes/anchor_op_gpu.md)."""
+
+    variants: str = option("", "comma-separated kernel variants of kernels/anchor_triton.py ('': every one but auto)")
+
+
+@dataclass
+class SoakOptions(Checked):
+    """A tiny anchored model trained --steps steps through each loader over the embedded dataset, anonymous resident
+memory sampled (docs/benchmarks.md): the JSON (settings, samples, slopes) at --out, a PNG beside it."""
+
+    steps: int = option(5000, "training steps per loader")
+    loaders: str = option("torchvision,ffcv", "comma-separated loaders data.loader can name")
+    batch_size: int = option(32, "batch size")
+    image_size: int = option(32, "embedded images and crops, pixels")
+    workers: int = option(2, "loader workers (processes or threads)")
+    model: str = option("fastanchor_resnet_tiny", "model trained (anchored)")
+    bank_size: int = option(256, "device-resident reference bank capacity")
+    threads: int = option(1, "torch CPU threads")
+    sample_every: int = option(25, "steps between memory samples")
+    warmup: float = option(0.2, "fraction of steps left out of the slope fit")
+    data_root: str = option("data/embedded", "embedded dataset (generated when missing)")
+    out: str = option("runs/bench/soak/soak-cpu.json", "result JSON; the PNG goes beside it")
+    record: str = option("", "also write the JSON and PNG into this directory (the committed evidence: results/soak)")
+
+    def checks(self):
+        unknown = [name for name in names_list(self.loaders) if name not in TRAINING_LOADERS]
+        return super().checks() + [
+            ("steps", self.steps >= 1, "at least 1"),
+            ("loaders", bool(names_list(self.loaders)) and not unknown, f"names from {', '.join(TRAINING_LOADERS)}"),
+            ("sample_every", self.sample_every >= 1, "at least 1"),
+            ("warmup", 0 <= self.warmup < 1, "a fraction in [0, 1)"),
+            ("threads", self.threads >= 1, "at least 1"),
         ]
 
 

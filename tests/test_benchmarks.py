@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from conftest import run_main
-from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.cli import docs as docs_blocks
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
@@ -388,8 +388,8 @@ def test_schema_check_refuses_inconsistent_results(results):
 
 def test_readme_block_from_result_files(results, tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Performance\n\n{bench_readme.BEGIN}\nold\n{bench_readme.END}\n\n## After\n")
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    readme.write_text(f"# x\n\n## Performance\n\n{docs_blocks.BEGIN}\nold\n{docs_blocks.END}\n\n## After\n")
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 0, outcome.stderr
     text = readme.read_text()
     assert text.startswith("# x\n\n## Performance\n\n") and text.endswith("\n## After\n") and "\nold\n" not in text
@@ -399,31 +399,31 @@ def test_readme_block_from_result_files(results, tmp_path):
     assert f"{100 * efficiency:.3g}%" in row and ("| met |" in row) == (efficiency >= 0.8) and "loader-cpu.md" in row
     assert "GPU figures are not yet measured" in text and "CPU figures are not yet measured" not in text
     assert "![loader on" in text
-    run_main("bench", "readme", "--results", results, "--readme", readme)
+    run_main("docs", "--results", results, "--readme", readme)
     assert readme.read_text() == text  # regenerating from the same files changes nothing
     readme.write_text("# no block\n")
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 2 and "no generated performance block" in outcome.stderr
     assert len(outcome.stderr.strip().splitlines()) == 1
 
 
 def test_readme_blocks_go_to_the_docs_page_holding_their_markers(results, tmp_path):
-    """`bench readme` writes each block into whichever of README.md and docs/*.md holds its markers, its links
+    """`fastanchor docs` writes each block into whichever of README.md and docs/*.md holds its markers, its links
     relative to that file; a page without markers is left as it is."""
     (tmp_path / "docs").mkdir()
     readme, page, other = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "other.md"
     readme.write_text("# x\n\nno generated block here\n")
-    page.write_text(f"# Performance\n\n{bench_readme.BEGIN}\nold\n{bench_readme.END}\n")
+    page.write_text(f"# Performance\n\n{docs_blocks.BEGIN}\nold\n{docs_blocks.END}\n")
     other.write_text("# other\n")
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 0, outcome.stderr
     assert readme.read_text() == "# x\n\nno generated block here\n" and other.read_text() == "# other\n"
     text = page.read_text()
     assert text.startswith("# Performance\n\n") and "\nold\n" not in text
-    expected = bench_readme.render_block(bench_readme.load_results(results), page.parent.resolve())
+    expected = docs_blocks.render_block(docs_blocks.load_results(results), page.parent.resolve())
     assert expected in text and "loader-cpu.md" in expected
     page.write_text("# Performance\n")  # the performance block in none of them: one line, exit 2
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 2 and "no generated performance block" in outcome.stderr
     assert len(outcome.stderr.strip().splitlines()) == 1
 
@@ -432,9 +432,9 @@ def test_committed_readme_block_matches_committed_results():
     """The performance block lives in docs/benchmarks.md (the README links to it)."""
     page = REPO / "docs" / "benchmarks.md"
     text = page.read_text()
-    start, end = text.index(bench_readme.BEGIN), text.index(bench_readme.END) + len(bench_readme.END)
-    expected = bench_readme.render_block(bench_readme.load_results(REPO / "results"), page.parent)
-    assert text[start:end] == expected, "docs/benchmarks.md's performance block is stale: run `fastanchor bench readme`"
+    start, end = text.index(docs_blocks.BEGIN), text.index(docs_blocks.END) + len(docs_blocks.END)
+    expected = docs_blocks.render_block(docs_blocks.load_results(REPO / "results"), page.parent)
+    assert text[start:end] == expected, "docs/benchmarks.md's performance block is stale: run `fastanchor docs`"
 
 
 def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):
@@ -461,20 +461,20 @@ def test_a_gpu_result_names_its_cuda_and_driver():
 
 
 def test_house_stats_writes_its_block_between_the_markers(tmp_path):
-    """`house_stats --write FILE` replaces only its generated block: folder lines that add up to the total, the
+    """`fastanchor house-stats --write FILE` replaces only its generated block: folder lines that add up to the total, the
     longest functions in order, and the named functions' lengths as `ast` measures them."""
     import ast
 
     def house_stats(*args):  # in its own process: ast.parse in a long-lived test worker can hit CPython 3.11's
         # "AST constructor recursion depth mismatch" SystemError, whatever the code read
-        return subprocess.run([sys.executable, "-m", "fastanchor.benchmarks.house_stats", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "fastanchor", "house-stats", *args], capture_output=True,
                               text=True, cwd=REPO, timeout=300)
 
     page = tmp_path / "page.md"
     page.write_text("before\n\n<!-- house-stats:begin: old -->\nold numbers\n<!-- house-stats:end -->\nafter\n")
     assert house_stats("--top", "3", "--function", "cli/__init__.py:run", "--write", str(page)).returncode == 0
     text = page.read_text()
-    assert text.startswith("before\n\n<!-- house-stats:begin: generated by `python -m fastanchor.benchmarks.house_stats "
+    assert text.startswith("before\n\n<!-- house-stats:begin: generated by `fastanchor house-stats "
                            "--top 3 --function cli/__init__.py:run --write")
     assert text.endswith("<!-- house-stats:end -->\nafter\n") and "old numbers" not in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "folder" not in line]
@@ -493,9 +493,13 @@ def test_house_stats_writes_its_block_between_the_markers(tmp_path):
 
 def test_first_layer_table_times_the_three_layers_and_the_padded_one_is_the_anchored_function():
     from fastanchor.benchmarks import first_layer
+    from fastanchor.benchmarks.options import FirstLayerOptions
 
-    rows = first_layer.main(["--device", "cpu", "--models", "fastanchor_resnet_tiny@16", "--batch-size", "2",
-                             "--iterations", "1"])
+    outcome = run_main("bench", "first-layer", "--device", "cpu", "--models", "fastanchor_resnet_tiny@16",
+                       "--batch-size", 2, "--iterations", 1)
+    assert outcome.returncode == 0 and "| fastanchor_resnet_tiny@16 | off |" in outcome.stdout, outcome.stderr
+    rows = first_layer.run_first_layer(FirstLayerOptions(device="cpu", models="fastanchor_resnet_tiny@16", batch_size=2,
+                                                         iterations=1), "")
     assert [r["cudnn_benchmark"] for r in rows] == [False, True]
     assert all(r[f"ms_{c}"] > 0 for r in rows for c in (*first_layer.CHANNELS, first_layer.PADDED))
     # 6 channels + 2 zero channels with a zero-padded weight: the 6-channel layer's output and weight gradient
