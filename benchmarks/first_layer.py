@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fastanchor.benchmarks.common import resolve_device
 from fastanchor.benchmarks.options import FirstLayerOptions, names_list, parse_model_at
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.models.surgery import find_first_layer
@@ -127,7 +128,7 @@ def table(rows: list[dict], batch: int, device: torch.device) -> str:
 
 def run_first_layer(options: FirstLayerOptions, command: str) -> list[dict]:
     options.validate()
-    device = torch.device(options.device)
+    device = resolve_device(options.device)
     rows = measure([parse_model_at(m) for m in names_list(options.models)], options.batch_size, device, options.iterations)
     print(table(rows, options.batch_size, device))
     return rows

@@ -237,8 +237,7 @@ crop, flip and policy, the model at its first-epoch resolution, batch size, opti
 masking (anchor.alpha, anchor.mask_level) and precision. Without --config: fastanchor_resnet_tiny at 64 px, batch 64 and
 FFCV on CPU; resnet50 at 176 px, batch 256 and nvJPEG on CUDA."""
 
-    loader: str = option("", "loader measured: " + ", ".join(LOADERS) + " ('': data.loader; nvjpeg on CUDA without "
-                         "--config or --set data.loader)")
+    loader: str = option("", "loader measured: " + ", ".join(LOADERS) + " ('': see below)")
     naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
     profile_batches: int = option(0, "then profile this many anchored batches (torch.profiler table beside the result; 0: none)")
 
@@ -250,11 +249,10 @@ FFCV on CPU; resnet50 at 176 px, batch 256 and nvJPEG on CUDA."""
 
 
 @dataclass
-class FirstLayerOptions(Checked):
+class FirstLayerOptions(Checked, OnDevice):
     """Forward and weight gradient of each model's first layer under the benchmark's precision and layout: 3 channels,
 6, 6 + 2 zero channels, and 6 padded to 8 inside the layer; medians of --iterations calls, one table. Writes nothing."""
 
-    device: str = option("cuda", "cuda or cpu", choices=("cuda", "cpu"))
     models: str = option(GPU_STEP_MODELS, "comma-separated <model>@<size>")
     batch_size: int = option(256, "batch size")
     iterations: int = option(20, "timed calls per layer")
