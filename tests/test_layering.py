@@ -22,7 +22,7 @@ The layers, bottom first (a module may import its own layer and the layers below
   reproduce   fastanchor/reproduce/ (`fastanchor reproduce`: the papers' experiments as sweeps of runs), on
               the floor of benchmarks: listed above it, and a test checks that neither imports the other
   cli         the `fastanchor` command and its entry points: fastanchor/cli/ (the console script
-              `fastanchor = fastanchor.cli:main`, and the demo and recipes commands), fastanchor/__main__.py
+              `fastanchor = fastanchor.cli:main`, and the demo, recipes, docs and house-stats commands), fastanchor/__main__.py
               (`python -m fastanchor`) and benchmarks/__main__.py (`python -m fastanchor.benchmarks`)
 
 Every `import` and `from ... import` of a `fastanchor` module is read with `ast`, at module level and
