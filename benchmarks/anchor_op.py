@@ -22,7 +22,7 @@ import torch
 from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_write
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_available, synchronize
 from fastanchor.benchmarks.options import OpOptions, by_device, names_list
-from fastanchor.benchmarks.train_step import TrainingSetup, step_case, synthetic_batches
+from fastanchor.benchmarks.train_step import TrainingSetup, derived_config, step_case, synthetic_batches
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor_torch
 from fastanchor.pipeline.references import derangement
 
@@ -99,10 +99,11 @@ def run_op_benchmark(options: OpOptions, command: str):
     steps = by_device(options.steps, 3, 20, cuda)
     step_model = by_device(options.step_model, "fastanchor_resnet_tiny", "resnet50", cuda)
 
+    config = options.run_config()
     if options.dtype == "auto":
         from fastanchor.trainer.build import amp_dtype
 
-        dtype = amp_dtype(options.amp, device) or torch.float32
+        dtype = amp_dtype(config.train.amp, device) or torch.float32
     else:
         dtype = DTYPES[options.dtype]
     per_call = op_bytes(batch_size, image_size, dtype)
@@ -141,9 +142,9 @@ def run_op_benchmark(options: OpOptions, command: str):
                                meaning=f"{path} op GB/s over copy GB/s"))
     if step_model != "none":
         step_name = f"step: {step_model}@{image_size} anchored"
-        setup = TrainingSetup(step_model, image_size, anchored=True, device=device, amp=options.amp,
-                              channels_last=options.channels_last, compile=options.compile,
-                              num_classes=options.num_classes, seed=options.seed)
+        step_config = derived_config(config, {"model.name": step_model, "data.image_size": image_size,
+                                              "data.batch_size": batch_size, "train.seed": options.seed})
+        setup = TrainingSetup(step_config, anchored=True, device=device, num_classes=options.num_classes)
         cases.append(step_case(step_name, setup, setup.stage(0.0, options.seed), batches, steps, model=step_model,
                                steps_per_repetition=steps))
         for path in names_list(options.paths):
@@ -154,7 +155,7 @@ def run_op_benchmark(options: OpOptions, command: str):
              f"channels-last output, in-batch derangement references: {per_call / 1e6:.1f} MB moved per call; "
              f"{iterations} calls per repetition"]
     return run_and_write("op", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                         config_extra={"resolved": {"batch_size": batch_size, "image_size": image_size,
+                         config=config, config_extra={"resolved": {"batch_size": batch_size, "image_size": image_size,
                                                     "dtype": str(dtype).replace("torch.", ""), "iterations": iterations,
                                                     "steps": steps, "step_model": step_model,
                                                     "bytes_per_call": per_call}})

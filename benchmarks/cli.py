@@ -1,4 +1,4 @@
-"""`fastanchor bench WHAT`: the throughput benchmarks, the ImageNet-shaped dataset, the generated README/docs blocks.
+"""`fastanchor bench WHAT`: the throughput benchmarks and the ImageNet-shaped dataset they read.
 
 Every option of a benchmark is a field of its dataclass in `benchmarks/options.py`; the CLI (cli/__init__.py)
 generates the flags and their help from those fields (options/flags.py), so `--help` always lists them all
@@ -24,8 +24,12 @@ BENCHMARKS = {
                  "accuracy, calibration, corruption and OOD metrics of the trainer's arms vs a plain-torch control"),
     "data": (opts.DataOptions, "cli:run_data",
              "write the ImageNet-shaped synthetic JPEG dataset (sizes and resolutions as ImageNet's)"),
-    "readme": (opts.ReadmeOptions, "cli:run_readme",
-               "rewrite the generated blocks of README.md and docs/*.md from the result files"),
+    "first-layer": (opts.FirstLayerOptions, "first_layer:run_first_layer",
+                    "ms of the first layer alone with 3, 6 and 6 + 2 zero input channels, cuDNN autotuning off and on"),
+    "op-sass": (opts.OpSassOptions, "op_sass:run_op_sass",
+                "SASS instruction counts of the op's Triton kernel variants compiled for sm_90 (no GPU needed)"),
+    "soak": (opts.SoakOptions, "soak:run_soak",
+             "resident memory over thousands of training steps through each loader: MiB per 1000 steps"),
 }
 
 
@@ -41,10 +45,3 @@ def run_data(options: opts.DataOptions, command: str) -> None:
     print(f"{manifest['num_images']} JPEGs in {spec.num_classes} classes under {options.root}/{manifest['split']}: "
           f"mean {achieved['bytes']['mean'] / 1000:.1f} KB, {achieved['width']['mean']:.0f} x "
           f"{achieved['height']['mean']:.0f} px (manifest.json has the spread)")
-
-
-def run_readme(options: opts.ReadmeOptions, command: str) -> None:
-    from fastanchor.benchmarks.readme import update_readme
-
-    update_readme(options.readme, options.results)
-    print(f"{options.readme} and docs/*.md: generated blocks rewritten from {options.results}")

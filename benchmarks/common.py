@@ -23,9 +23,20 @@ def resolve_device(name: str) -> torch.device:
     return trainer_resolve_device(name)
 
 
+def run_settings(config) -> dict:
+    """What a result records of the training configuration it measured: train.amp, train.channels_last and
+    train.compile at the top (where the readers look), and the whole validated Config as it ran."""
+    train = config.train
+    return {"amp": train.amp, "channels_last": train.channels_last, "compile": train.compile,
+            "trainer_config": config.to_dict()}
+
+
 def run_and_write(benchmark: str, options: CommonOptions, *, cases: list[Case], derived: list[Derived],
-                  device: torch.device, command: str, notes: list[str] = (), config_extra: dict | None = None):
-    """Measure `cases` interleaved, write the result files, print the table; return (result, paths)."""
+                  device: torch.device, command: str, notes: list[str] = (), config_extra: dict | None = None,
+                  config=None, tag: str | None = None):
+    """Measure `cases` interleaved, write the result files under --out (and --record), print the table; return
+    (result, paths under --out). `config`: the training Config measured (recorded as it ran); `tag`: the file-name
+    suffix (default --tag)."""
     names = [case.name for case in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate case names in {names}")
@@ -33,13 +44,18 @@ def run_and_write(benchmark: str, options: CommonOptions, *, cases: list[Case], 
                                          progress=options.progress, desc=f"bench {benchmark}")
     records = [case_record(case, recorded.get(case.name)) for case in cases]
     by_name = {record["name"]: record for record in records}
+    settings = {**dataclasses.asdict(options), **(run_settings(config) if config is not None else {}), **(config_extra or {})}
     result = build_result(
-        benchmark, command=command, config={**dataclasses.asdict(options), **(config_extra or {})},
-        env=environment(device), cases=records, derived=[derived_record(d, by_name) for d in derived],
-        schedule=schedule, repetitions=options.repetitions, warmup_rounds=options.warmup_rounds, notes=list(notes))
-    paths = write_result(result, Path(options.out), options.tag)
+        benchmark, command=command, config=settings, env=environment(device), cases=records,
+        derived=[derived_record(d, by_name) for d in derived], schedule=schedule, repetitions=options.repetitions,
+        warmup_rounds=options.warmup_rounds, notes=list(notes))
+    tag = options.tag if tag is None else tag
+    paths = write_result(result, Path(options.out), tag)
     print(markdown(result))
     print(f"written: {paths['json']}, {paths['md'].name}, {paths['png'].name}")
+    if options.record:
+        kept = write_result(result, Path(options.record), tag)
+        print(f"recorded: {kept['json']}, {kept['md'].name}, {kept['png'].name}")
     return result, paths
 
 

@@ -10,13 +10,14 @@ timed; the three run interleaved. Ratios: anchored/standard (the cost of anchori
 does it) and anchored/naive (what on-device pairing saves).
 
 The loader comes from the pipeline's registry with trainer/build.py's LoaderSpec (benchmarks/loaders.py), the model,
-optimiser, step and stage from trainer/build.py's functions (benchmarks/train_step.py's TrainingSetup); with
-`--config RECIPE` both take the recipe's settings, as `fastanchor train` would.
+optimiser, step and stage from trainer/build.py's functions (benchmarks/train_step.py's TrainingSetup), both from
+the one validated Config of `--config` and `--set`, as `fastanchor train` would build them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -27,10 +28,11 @@ from fastanchor.benchmarks.loaders import (
     LoaderUnavailable, check_loader_names, describe_images, make_loader, make_request,
 )
 from fastanchor.benchmarks.options import EndToEndOptions, by_device, parse_model_at
-from fastanchor.benchmarks.train_step import TrainingSetup, model_at_resolution
+from fastanchor.benchmarks.train_step import TrainingSetup, derived_config, model_at_resolution
 from fastanchor.kernels import anchor
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringStage, draw_mask, to_device_batch
 from fastanchor.pipeline.references import to_device_async
+from fastanchor.trainer.config import Config
 
 UNIT = "images/s"
 
@@ -57,36 +59,41 @@ def naive_batch(stage: AnchoringStage, pair) -> AnchoredBatch:
     return AnchoredBatch(anchor(images, references, masked, spec.mean, spec.std, stage.dtype), labels, masked)
 
 
-def e2e_settings(options: EndToEndOptions, device: torch.device):
-    """(recipe config or None, loader name, model, image size, batch size): --loader, --model and --batch-size where
-    given, else the recipe's (data.loader, its model at its first-epoch resolution, data.batch_size), else by device.
-    With a recipe, its train.amp and train.channels_last replace the options'; --alpha -1 is its anchor.alpha (0.2
-    without one)."""
+@dataclass(frozen=True)
+class EndToEndPlan:
+    config: Config  # what the loader, model, step and stage are built from (validated, as it ran)
+    loader: str
+    model: str
+    image_size: int
+
+
+def e2e_plan(options: EndToEndOptions, device: torch.device) -> EndToEndPlan:
+    """The run's Config from --config and --set (without a recipe the built-in settings with the model, batch and loader
+    by device) and the loader measured: --loader where given, else data.loader, save that the built-in settings
+    measure nvjpeg on CUDA. The model is the config's at its first-epoch resolution."""
     cuda = device.type == "cuda"
-    config = options.recipe_config()
-    if options.alpha == -1:
-        options.alpha = config.anchor.alpha if config else 0.2
-    if config is None:
-        model_at = parse_model_at(by_device(options.model, "fastanchor_resnet_tiny@64", "resnet50@176", cuda))
-        return None, by_device(options.loader, "ffcv", "nvjpeg", cuda), *model_at, by_device(options.batch_size, 64, 256, cuda)
-    options.amp, options.channels_last = config.train.amp, config.train.channels_last
-    model_at = parse_model_at(options.model) if options.model else model_at_resolution(config)
-    return config, options.loader or config.data.loader, *model_at, options.batch_size or config.data.batch_size
+    model, size = parse_model_at(by_device("", "fastanchor_resnet_tiny@64", "resnet50@176", cuda))
+    config = options.run_config({"model.name": model, "data.image_size": size, "data.batch_size": by_device(0, 64, 256, cuda),
+                                 "data.loader": "ffcv"})
+    loader = options.loader or ("nvjpeg" if cuda and not options.configured("data.loader") else config.data.loader)
+    return EndToEndPlan(config, loader, *model_at_resolution(config))
 
 
 def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
     options.validate()
     apply_threads(options)
     device = resolve_device(options.device)
-    config, loader_name, model, image_size, batch_size = e2e_settings(options, device)
-    check_loader_names([loader_name])
+    chosen = e2e_plan(options, device)
+    check_loader_names([chosen.loader])
+    config = derived_config(chosen.config, {"data.image_size": chosen.image_size, "train.seed": options.seed})
+    loader_name, model, image_size, batch_size = chosen.loader, chosen.model, chosen.image_size, config.data.batch_size
+    alpha = config.anchor.alpha
     request = make_request(options, device, batch_size=batch_size, image_size=image_size, recipe=config)
-    common = dict(device=device, amp=options.amp, channels_last=options.channels_last, compile=options.compile,
-                  num_classes=len(request.index.classes), seed=options.seed, config=config)
-    standard = TrainingSetup(model, image_size, anchored=False, **common)
-    anchored = TrainingSetup(model, image_size, anchored=True, **common)
-    standard_stage, anchored_stage = standard.stage(options.alpha, options.seed), anchored.stage(options.alpha, options.seed)
-    naive_stage = anchored.stage(options.alpha, options.seed + 1)
+    common = dict(device=device, num_classes=len(request.index.classes))
+    standard = TrainingSetup(config, anchored=False, **common)
+    anchored = TrainingSetup(config, anchored=True, **common)
+    standard_stage, anchored_stage = standard.stage(alpha, options.seed), anchored.stage(alpha, options.seed)
+    naive_stage = anchored.stage(alpha, options.seed + 1)
 
     def epoch(batches, setup: TrainingSetup, make_batch):
         def train_on(item) -> int:
@@ -123,16 +130,17 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
                     meaning="what on-device pairing saves: anchored images/s over the naive design's"),
         ]
     images = describe_images(request.index)
+    train = config.train
     notes = [f"loader {loader_name} over {images['images']} JPEGs (mean {images['mean_bytes'] / 1000:.1f} KB, "
              f"{images['mean_width']:.0f} x {images['mean_height']:.0f} px), {request.workers} workers; {model} at "
-             f"{image_size} px, batch {batch_size}, amp {options.amp}, channels-last {options.channels_last}; anchored "
-             f"with alpha {options.alpha}; one epoch per repetition, first {options.warmup_batches} batches untimed; built by "
-             f"trainer/build.py from {f'the recipe {options.recipe}' if config else 'the default config'}"]
-    if config is not None:
-        options.tag = options.tag or options.recipe_tag()
+             f"{image_size} px, batch {batch_size}, amp {train.amp}, channels-last {train.channels_last}; anchored "
+             f"with alpha {alpha}; one epoch per repetition, first {options.warmup_batches} batches untimed; built by "
+             f"trainer/build.py from {f'the recipe {options.recipe}' if options.recipe else 'the default config'}"]
     result, paths = run_and_write("e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                                  config_extra={"resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
-                                                             "alpha": options.alpha, "workers": request.workers},
+                                  config=config, tag=options.tag or options.recipe_tag(),
+                                  config_extra={"batch_size": batch_size,
+                                                "resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
+                                                             "alpha": alpha, "workers": request.workers},
                                                 "dataset": images})
     if options.profile_batches and cases[0].run is not None:
         path = paths["json"].with_name(paths["json"].stem + "-profile.txt")

@@ -13,21 +13,21 @@ under the benchmark's precision and layout, with
     6 padded in the layer     the same, the 6-channel input padded to 8 inside every call (a model-side fix)
 
 with and without cuDNN autotuning, and prints one table (medians of `--iterations` timed calls, in ms).
-Writes nothing; benchmarks/step_gap.sh runs it beside `bench step --profile-steps`.
+Writes nothing; scripts/step_gap.sh runs it beside `bench step --profile-steps`.
 
-    python -m fastanchor.benchmarks.first_layer --device cuda --models resnet50@176,vit_base_patch16_224@224
+    fastanchor bench first-layer --device cuda --models resnet50@176,vit_base_patch16_224@224
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from fastanchor.benchmarks.options import GPU_STEP_MODELS, names_list, parse_model_at
+from fastanchor.benchmarks.common import resolve_device
+from fastanchor.benchmarks.options import FirstLayerOptions, names_list, parse_model_at
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.models.surgery import find_first_layer
 
@@ -126,19 +126,9 @@ def table(rows: list[dict], batch: int, device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m fastanchor.benchmarks.first_layer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda or cpu")
-    parser.add_argument("--models", default=",".join(m for m in names_list(GPU_STEP_MODELS)),
-                        help="comma-separated <model>@<size> (default: bench step's GPU models)")
-    parser.add_argument("--batch-size", type=int, default=256, help="batch size")
-    parser.add_argument("--iterations", type=int, default=20, help="timed calls per layer")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    rows = measure([parse_model_at(m) for m in names_list(args.models)], args.batch_size, device, args.iterations)
-    print(table(rows, args.batch_size, device))
+def run_first_layer(options: FirstLayerOptions, command: str) -> list[dict]:
+    options.validate()
+    device = resolve_device(options.device)
+    rows = measure([parse_model_at(m) for m in names_list(options.models)], options.batch_size, device, options.iterations)
+    print(table(rows, options.batch_size, device))
     return rows
-
-
-if __name__ == "__main__":
-    main()

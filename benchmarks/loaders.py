@@ -15,8 +15,9 @@ with their peers only. The limit assumes the decode scales with the worker count
 by that many processes at once measures how far it does on the machine at hand (`parallel
 scaling`), and FFCV is also compared with that measured figure.
 
-Loaders are found by name in `LOADERS`; `register_loader` adds one. A loader whose module or
-library is missing is reported as not available, with the reason.
+Loaders are the entries of the pipeline's registry (pipeline/loaders/registry.py: `LOADERS`), built as training
+builds them. A loader whose module or library is missing, or that cannot run on the device, is reported as not
+available, with the reason.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,22 +64,6 @@ class LoaderRequest:
     recipe: Config | None = None  # whose data.* (crop, flip, policy, FFCV order) and augment.* the loaders take
 
 
-@dataclass(frozen=True)
-class LoaderEntry:
-    name: str
-    description: str
-    make: Callable[[LoaderRequest], Iterable]  # raises LoaderUnavailable
-    source: str  # the bytes it decodes: "files" (the JPEG files) or "beton" (the .beton's JPEG records)
-    decodes_on_cpu: Callable[[torch.device], bool]
-
-
-LOADERS: dict[str, LoaderEntry] = {}
-
-
-def register_loader(entry: LoaderEntry) -> None:
-    LOADERS[entry.name] = entry
-
-
 def request_data(request: LoaderRequest) -> DataConfig:
     """The data.* of the recipe (the defaults without one) with the benchmark's batch, size, workers and scale."""
     data = request.recipe.data if request.recipe is not None else DataConfig()
@@ -94,51 +79,6 @@ def loader_spec(request: LoaderRequest) -> LoaderSpec:
     augment = request.recipe.augment if request.recipe is not None else AugmentConfig()
     return build.loader_spec(request_data(request), request.device, train=True, seed=request.seed,
                              policy=augment.auto_augment, hflip=augment.hflip)
-
-
-def _from_registry(name: str, library: str) -> Callable[[LoaderRequest], Iterable]:
-    """Build loader `name` as training does: the pipeline's registry (pipeline/loaders/registry.py) with the LoaderSpec
-    and the loader's own knobs of trainer/build.py."""
-
-    def make(request: LoaderRequest):
-        from fastanchor.trainer import build
-
-        try:
-            source = request.beton() if name == "ffcv" else request.index
-            return registry.make(name, source, loader_spec(request),
-                                 **build.loader_knobs(request_data(request), name, train=True))
-        except ImportError as error:
-            raise LoaderUnavailable(f"{library} is not importable ({error})") from None
-        except RuntimeError as error:  # e.g. a DALI build without this device's backend
-            if name != "dali":
-                raise
-            raise LoaderUnavailable(f"{library} cannot run here ({type(error).__name__}: "
-                                    f"{str(error).splitlines()[0]})") from None
-
-    return make
-
-
-def _nvjpeg(pipelined: bool) -> Callable[[LoaderRequest], Iterable]:
-    def make(request: LoaderRequest):
-        if request.device.type != "cuda":
-            raise LoaderUnavailable("nvJPEG decodes on CUDA devices only")
-        from fastanchor.pipeline.loaders.nvjpeg import NvjpegLoader
-
-        return NvjpegLoader(request.index, loader_spec(request), pipelined=pipelined)
-
-    return make
-
-
-register_loader(LoaderEntry("ffcv", "FFCV Loader over a .beton (numba threads decode)", _from_registry("ffcv", "FFCV"),
-                            "beton", lambda d: True))
-register_loader(LoaderEntry("torchvision", "torch DataLoader over the ImageFolder, PIL decode in worker processes",
-                            _from_registry("torchvision", "torchvision"), "files", lambda d: True))
-register_loader(LoaderEntry("dali", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",
-                            _from_registry("dali", "DALI"), "files", lambda d: d.type != "cuda"))
-register_loader(LoaderEntry("nvjpeg", "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)",
-                            _nvjpeg(pipelined=False), "files", lambda d: False))
-register_loader(LoaderEntry("nvjpeg-pipelined", "nvjpeg's decode and crops, prepared 2 batches ahead on a thread and "
-                            "CUDA stream of their own", _nvjpeg(pipelined=True), "files", lambda d: False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,39 +233,58 @@ def make_request(options: ImageDataOptions, device: torch.device, *, batch_size:
 
 
 def check_loader_names(names: list[str]) -> None:
-    unknown = [name for name in names if name not in LOADERS]
+    unknown = [name for name in names if name not in registry.LOADERS]
     if unknown:
-        raise ConfigError(f"unknown loader {unknown[0]!r}: expected names from {', '.join(LOADERS)}")
+        raise ConfigError(f"unknown loader {unknown[0]!r}: expected names from {', '.join(registry.LOADERS)}")
 
 
 def make_loader(name: str, request: LoaderRequest):
-    """The loader `name` built from `request`; LoaderUnavailable says why it cannot run here."""
-    return LOADERS[name].make(request)
+    """The loader `name` built as training builds it: the pipeline's registry (pipeline/loaders/registry.py) with the
+    LoaderSpec and the loader's own knobs of trainer/build.py. LoaderUnavailable says why it cannot run here."""
+    from fastanchor.trainer import build
+
+    entry = registry.LOADERS[name]
+    if entry.cuda_only and request.device.type != "cuda":
+        raise LoaderUnavailable(f"{name} decodes on CUDA devices only")
+    try:
+        source = request.beton() if entry.reads == "beton" else request.index
+        return entry.make(source, loader_spec(request), **build.loader_knobs(request_data(request), name, train=True))
+    except ImportError as error:
+        raise LoaderUnavailable(f"{entry.library} is not importable ({error})") from None
+    except RuntimeError as error:  # e.g. a DALI build without this device's backend
+        if not entry.backend_may_lack_device:
+            raise
+        raise LoaderUnavailable(f"{entry.library} cannot run here ({type(error).__name__}: "
+                                f"{str(error).splitlines()[0]})") from None
 
 
-def loader_case(entry: LoaderEntry, request: LoaderRequest, warmup_batches: int) -> Case:
+def decodes_on_cpu(entry: registry.LoaderEntry, device: torch.device) -> bool:
+    return entry.decodes == "cpu" or device.type == "cpu"
+
+
+def loader_case(entry: registry.LoaderEntry, request: LoaderRequest, warmup_batches: int) -> Case:
     try:
         loader = make_loader(entry.name, request)
     except LoaderUnavailable as reason:
         return not_available(entry.name, UNIT, str(reason), description=entry.description)
-    on_cpu = entry.decodes_on_cpu(request.device)
+    on_cpu = decodes_on_cpu(entry, request.device)
     return Case(entry.name, UNIT, lambda: time_epoch(loader, warmup_batches, lambda batch: batch[0].shape[0], request.device),
-                info={"description": entry.description, "decodes": "cpu" if on_cpu else "device", "source": entry.source,
+                info={"description": entry.description, "decodes": "cpu" if on_cpu else "device", "source": entry.reads,
                       "batches_per_epoch": len(loader)})
 
 
 def loader_cases(names: list[str], request: LoaderRequest, warmup_batches: int) -> tuple[list[Case], list[Derived]]:
     """The loader cases, the decode limits they need, and the derived efficiencies and peer ratios."""
-    entries = [LOADERS[name] for name in names]
+    entries = [registry.LOADERS[name] for name in names]
     cases = [loader_case(entry, request, warmup_batches) for entry in entries]
-    on_cpu = [e for e, c in zip(entries, cases) if c.run is not None and e.decodes_on_cpu(request.device)]
+    on_cpu = [e for e, c in zip(entries, cases) if c.run is not None and decodes_on_cpu(e, request.device)]
     workers = request.workers
     limits = {"files": f"decode limit (files, x{workers})", "beton": f"decode limit (.beton, x{workers})"}
     sources = {"files": lambda: file_jpegs(request.index), "beton": lambda: beton_jpegs(request.beton())}
-    needed = [source for source in limits if any(e.source == source for e in on_cpu)]
+    needed = [source for source in limits if any(e.reads == source for e in on_cpu)]
     cases += [decode_limit_case(limits[s], sources[s], image_size=request.image_size, min_scale=request.min_scale,
                                 workers=workers, seed=request.seed) for s in needed]
-    derived = [Derived(f"efficiency: {e.name}", e.name, limits[e.source], meaning=f"{e.name} images/s over its decode limit")
+    derived = [Derived(f"efficiency: {e.name}", e.name, limits[e.reads], meaning=f"{e.name} images/s over its decode limit")
                for e in on_cpu]
     if workers > 1 and "beton" in needed:  # does this machine's decode scale with the worker count? measured
         parallel = f"decode in parallel (.beton, {workers} processes)"
@@ -335,7 +294,7 @@ def loader_cases(names: list[str], request: LoaderRequest, warmup_batches: int) 
                             meaning=f"{workers} decode processes at once over {workers} x one process alone"),
                     *[Derived(f"over the parallel decode: {e.name}", e.name, parallel,
                               meaning=f"{e.name} images/s over {workers} decode processes measured at once")
-                      for e in on_cpu if e.source == "beton"]]
+                      for e in on_cpu if e.reads == "beton"]]
     derived += [Derived(f"{a.name}/{b.name}", a.name, b.name, meaning=f"{a.name} images/s over {b.name} images/s")
                 for i, a in enumerate(entries) for b in entries[i + 1:]]
     return cases, derived

@@ -1,6 +1,6 @@
 """What the op's Triton kernel variants compile to on a GPU, counted without one.
 
-`python -m fastanchor.benchmarks.op_sass [VARIANT ...]` compiles each variant (kernels/anchor_triton.py
+`fastanchor bench op-sass [--variants V,W]` compiles each variant (kernels/anchor_triton.py
 VARIANTS) for an sm_90 GPU (H100/H200) at the op benchmark's setting (batch 256, 176 px, bf16,
 channels-last, in-batch references), through a stub driver, so it runs on a CPU-only machine with
 triton's bundled ptxas and cuobjdump, and prints per variant its SASS instruction counts: global
@@ -16,10 +16,12 @@ import importlib
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import torch
+
+from fastanchor.benchmarks.options import OpSassOptions, names_list
+from fastanchor.errors import ConfigError
 
 
 def compiled_variant(variant: str, batch: int = 256, size: int = 176, dtype: torch.dtype = torch.bfloat16):
@@ -100,14 +102,14 @@ def summary(counts: collections.Counter) -> dict:
             "MUFU.RCP": counts["MUFU.RCP"], "FCHK": counts["FCHK"], "I2F": total("I2F")}
 
 
-def main(argv: list[str]) -> None:
+def run_op_sass(options: OpSassOptions, command: str) -> None:
     os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret
     module = importlib.import_module("fastanchor.kernels.anchor_triton")
-    for variant in argv or [v for v in module.VARIANTS if v != "auto"]:
+    unknown = [v for v in names_list(options.variants) if v not in module.VARIANTS]
+    if unknown:
+        raise ConfigError(f"--variants: {unknown[0]!r} is not a variant of kernels/anchor_triton.py: expected names "
+                          f"from {', '.join(module.VARIANTS)}")
+    for variant in names_list(options.variants) or [v for v in module.VARIANTS if v != "auto"]:
         kernel, grid, sass = compiled_variant(variant)
         print(f"{variant}: grid {grid}, {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared memory, "
               f"per thread: {resource_usage(kernel)}, {summary(sass_counts(sass))}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

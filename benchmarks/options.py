@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 from fastanchor.errors import ConfigError
 from fastanchor.options.option import Checked, option
-from fastanchor.options.flags import OnDevice
+from fastanchor.options.flags import OnDevice, Overrides
+from fastanchor.pipeline.loaders.registry import LOADERS, TRAINING_LOADERS
 from fastanchor.trainer.config import Recipe
 
-# the built-in entries of benchmarks.loaders.LOADERS
-LOADER_NAMES = ("ffcv", "torchvision", "dali", "nvjpeg", "nvjpeg-pipelined")
 # "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
 OP_PATHS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
             "triton:cl-rcp", "numba")
@@ -58,35 +57,56 @@ class BenchRun(Checked, OnDevice):
 
 
 @dataclass
-class FromRecipe(Checked):
-    """--config: the recipe a benchmark builds its step (and e2e its loader) from with trainer/build.py's functions."""
+class Written:
+    """Where the result files go: --out (under runs/, git-ignored) and, with --record, the committed evidence too."""
 
+    out: str = option("runs/bench", "directory of the result files <benchmark>-<device>[-<tag>].{json,md,png}")
+    record: str = option("", "also write the result files into this directory (the committed evidence: results)")
+
+
+@dataclass
+class _RecipeName(Checked):
     recipe: str = option("", "recipe to build from: a name under configs/ or a YAML file ('': the built-in settings)",
                          flag=("--config", "--recipe"), metavar="CONFIG")
 
-    def recipe_config(self):
-        """The recipe's Config, validated (None without --config)."""
-        from fastanchor.trainer.config import load_config
 
-        return load_config(self.recipe) if self.recipe else None
+@dataclass
+class RunConfig(Overrides, _RecipeName):  # --config, then --set
+    """The training configuration a benchmark measures: the recipe (or the built-in settings with the benchmark's
+    defaults by device) with the --set overrides, one validated Config built as `fastanchor train` builds it."""
+
+    def run_config(self, defaults: dict | None = None):
+        """The validated Config: --config's recipe, or without one the built-in settings with `defaults` (the values
+        by device) in its place; then --set."""
+        from fastanchor.trainer.config import Config, load_config, set_value, with_overrides
+
+        if self.recipe:
+            return load_config(self.recipe, self.overrides)
+        config = Config()
+        for key, value in (defaults or {}).items():
+            set_value(config, key, value)
+        return with_overrides(config, self.overrides)
+
+    def configured(self, key: str) -> bool:
+        """Whether the recipe or a --set chose `key` (else it is the built-in setting or the default by device)."""
+        return bool(self.recipe) or any(text.partition("=")[0].strip() == key for text in self.overrides)
 
     def recipe_tag(self) -> str:
-        """The result files' tag for the recipe: its name with '/' as '_' (a YAML file: the file's name)."""
+        """The result files' tag for the recipe: its name with '/' as '_' (a YAML file: the file's name; '' without)."""
         if self.recipe.endswith((".yaml", ".yml")):
             return self.recipe.replace("\\", "/").rsplit("/", 1)[-1].rsplit(".", 1)[0]
         return self.recipe.replace("/", "_")
 
     def checks(self):
-        self.recipe_config()  # one line naming an unknown or bad recipe
+        self.run_config()  # one line naming an unknown or bad recipe or override
         return super().checks()
 
 
 @dataclass
-class CommonOptions(BenchRun):
+class CommonOptions(BenchRun, Written):
     repetitions: int = option(5, "recorded repetitions of every case (rounds, interleaved A B A B ...)")
     warmup_rounds: int = option(1, "rounds run first and not recorded (compilation, caches, worker start-up)")
     seed: int = option(0, "seed of data order, crops, weights, references and masking")
-    out: str = option("results", "directory of the result files <benchmark>-<device>[-<tag>].{json,md,png}")
 
     def checks(self) -> list[tuple[str, bool, str]]:
         return [
@@ -97,16 +117,9 @@ class CommonOptions(BenchRun):
 
 
 @dataclass
-class TrainingOptions(CommonOptions):
-    """How a training step runs (as `fastanchor train` runs it)."""
-
-    amp: str = option("auto", "mixed precision as train.amp: auto (bf16 on CUDA where supported; off on CPU), bf16, fp16, off",
-                      choices=("auto", "bf16", "fp16", "off"))
-    channels_last: bool = option(True, "channels-last model and input")
-    compile: bool = option(False, "torch.compile the models")
-
-    def checks(self):
-        return super().checks() + [("amp", self.amp in ("auto", "bf16", "fp16", "off"), "auto, bf16, fp16 or off")]
+class TrainingOptions(CommonOptions, RunConfig):
+    """How a training step runs: as `fastanchor train` runs it, from --config and --set (train.amp,
+train.channels_last, train.compile, model.*, optim.*, anchor.*, augment.*, data.batch_size ...)."""
 
 
 @dataclass
@@ -135,19 +148,12 @@ class DataOptions(Checked):
 
 
 @dataclass
-class ReadmeOptions:
-    results: str = option("results", "directory of the result files")
-    readme: str = option("README.md", "the README to rewrite, with the docs/*.md beside it")
-
-
-@dataclass
 class ImageDataOptions(CommonOptions):
     """The JPEGs a loader reads, and how its epochs are timed."""
 
     data: str = option("data/imagenet_shaped/train",
                        "ImageFolder tree (<class>/<image>) the loaders read, e.g. from `fastanchor bench data`")
     images: int = option(0, "use this many images of the tree, drawn with the seed (0: all)")
-    min_scale: float = option(0.35, "lower bound of the random-resized-crop's area scale (the trainer's data.min_scale)")
     workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
     warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
     ffcv_cache: str = option("", "directory of the .beton written from the images (default: <data>/../ffcv)")
@@ -157,7 +163,6 @@ class ImageDataOptions(CommonOptions):
     def checks(self):
         return super().checks() + [
             ("images", self.images >= 0, "0 (all) or a positive count"),
-            ("min_scale", 0 < self.min_scale <= 1, "a number in (0, 1]"),
             ("workers", self.workers >= 0, "0 (one per usable CPU) or a positive count"),
             ("warmup_batches", self.warmup_batches >= 0, "0 or more"),
             ("ffcv_jpeg_quality", 1 <= self.ffcv_jpeg_quality <= 100, "an integer from 1 to 100"),
@@ -167,13 +172,15 @@ class ImageDataOptions(CommonOptions):
 
 @dataclass
 class LoaderOptions(ImageDataOptions):
-    loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADER_NAMES))
+    loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADERS))
     batch_size: int = option(0, "batch size of every loader (0: 64 on CPU, 256 on CUDA)")
     image_size: int = option(176, "output side in pixels (random-resized-crop, then flip)")
+    min_scale: float = option(0.35, "lower bound of the random-resized-crop's area scale (the trainer's data.min_scale)")
 
     def checks(self):
         return super().checks() + [
             ("loaders", bool(names_list(self.loaders)), "one or more loader names"),
+            ("min_scale", 0 < self.min_scale <= 1, "a number in (0, 1]"),
             ("batch_size", self.batch_size >= 0, "0 (by device) or a positive batch size"),
             ("image_size", 8 <= self.image_size <= 4096, "a side from 8 to 4096 pixels"),
         ]
@@ -185,7 +192,7 @@ class OpOptions(SyntheticOptions):
                                                        "triton:VARIANT (docs/benchmarks.md), numba")
     batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
     image_size: int = option(0, "image side in pixels (0: 112 on CPU, 176 on CUDA)")
-    dtype: str = option("auto", "output dtype: auto (bf16 on CUDA with amp, float32 on CPU), float32, bfloat16, float16",
+    dtype: str = option("auto", "output dtype: auto (train.amp's: bf16 on CUDA, float32 on CPU), float32, bfloat16, float16",
                         choices=("auto", "float32", "bfloat16", "float16"))
     iterations: int = option(0, "op calls per repetition (0: 10 on CPU, 200 on CUDA)")
     step_model: str = option("", "step the op is compared with ('': fastanchor_resnet_tiny on CPU, resnet50 on CUDA; none: skip)")
@@ -204,12 +211,12 @@ class OpOptions(SyntheticOptions):
 
 
 @dataclass
-class StepOptions(SyntheticOptions, FromRecipe):
-    """With --config RECIPE the step is the recipe's: its model at its first-epoch resolution, batch size, optimiser,
-batch augmentations, mixing, precision and anchoring settings (instead of --models)."""
+class StepOptions(SyntheticOptions):
+    """Without --config, each model of --models at its size, with the built-in settings, batch 64 on CPU, 256 on CUDA
+(--set data.batch_size=N). With --config RECIPE the step is the recipe's: its model at its first-epoch resolution,
+batch size, optimiser, batch augmentations, mixing, precision and anchoring settings."""
 
-    models: str = option("", "comma-separated <model>@<size> ('': by device, see docs/benchmarks.md)")
-    batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
+    models: str = option("", "comma-separated <model>@<size> without --config ('': by device, see docs/benchmarks.md)")
     steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
     profile_steps: int = option(0, "then profile this many steps of each case (torch.profiler tables beside the result; 0: none)")
     cudnn_benchmark: bool = option(False, "cuDNN autotuning of convolution algorithms for every case (the trainer leaves it off)")
@@ -218,34 +225,83 @@ batch augmentations, mixing, precision and anchoring settings (instead of --mode
         for text in names_list(self.models):
             parse_model_at(text)
         return super().checks() + [
-            ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2 (a derangement needs 2)"),
             ("steps", self.steps >= 0, "0 (by device) or a positive count"),
             ("profile_steps", self.profile_steps >= 0, "0 (no profile) or a number of steps"),
         ]
 
 
 @dataclass
-class EndToEndOptions(ImageDataOptions, TrainingOptions, FromRecipe):
-    """With --config RECIPE the loader, model, step and stage are built from the recipe as `fastanchor train` builds
-them: its data.loader, crop, flip and policy, its model at its first-epoch resolution, batch size, optimiser, batch
-augmentations, mixing, masking (anchor.alpha and mask_level) and precision (--loader, --model, --batch-size and
---alpha still choose where given)."""
+class EndToEndOptions(ImageDataOptions, TrainingOptions):
+    """The loader, model, step and stage are built from --config and --set as `fastanchor train` builds them: data.loader,
+crop, flip and policy, the model at its first-epoch resolution, batch size, optimiser, batch augmentations, mixing,
+masking (anchor.alpha, anchor.mask_level) and precision. Without --config: fastanchor_resnet_tiny at 64 px, batch 64 and
+FFCV on CPU; resnet50 at 176 px, batch 256 and nvJPEG on CUDA."""
 
-    loader: str = option("", "loader: " + ", ".join(LOADER_NAMES) + " (default: ffcv on CPU, nvjpeg on CUDA)")
-    model: str = option("", "<model>@<size> trained (default: fastanchor_resnet_tiny@64 on CPU, resnet50@176 on CUDA)")
-    batch_size: int = option(0, "batch size (0: 64 on CPU, 256 on CUDA)")
-    alpha: float = option(-1.0, "reference-masking probability of the anchored runs (-1: the recipe's, else 0.2)")
+    loader: str = option("", "loader measured: " + ", ".join(LOADERS) + " ('': see below)")
     naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
     profile_batches: int = option(0, "then profile this many anchored batches (torch.profiler table beside the result; 0: none)")
 
     def checks(self):
-        if self.model:
-            parse_model_at(self.model)
         return super().checks() + [
-            ("loader", self.loader == "" or self.loader in LOADER_NAMES, f"one of {', '.join(LOADER_NAMES)}"),
-            ("batch_size", self.batch_size == 0 or self.batch_size >= 2, "0 (by device) or at least 2"),
-            ("alpha", self.alpha == -1 or 0 <= self.alpha <= 1, "-1 (the recipe's) or a probability in [0, 1]"),
+            ("loader", self.loader == "" or self.loader in LOADERS, f"one of {', '.join(LOADERS)}"),
             ("profile_batches", self.profile_batches >= 0, "0 (no profile) or a number of batches"),
+        ]
+
+
+@dataclass
+class FirstLayerOptions(Checked, OnDevice):
+    """Forward and weight gradient of each model's first layer under the benchmark's precision and layout: 3 channels,
+6, 6 + 2 zero channels, and 6 padded to 8 inside the layer; medians of --iterations calls, one table. Writes nothing."""
+
+    models: str = option(GPU_STEP_MODELS, "comma-separated <model>@<size>")
+    batch_size: int = option(256, "batch size")
+    iterations: int = option(20, "timed calls per layer")
+
+    def checks(self):
+        for text in names_list(self.models):
+            parse_model_at(text)
+        return super().checks() + [
+            ("models", bool(names_list(self.models)), "one or more <model>@<size>"),
+            ("batch_size", self.batch_size >= 1, "a positive batch size"),
+            ("iterations", self.iterations >= 1, "at least 1"),
+        ]
+
+
+@dataclass
+class OpSassOptions(Checked):
+    """Compiled for an sm_90 GPU at the op benchmark's setting (batch 256, 176 px, bf16, channels-last) through a stub
+driver, with triton's bundled ptxas and cuobjdump: per variant its SASS counts (docs/notes/anchor_op_gpu.md)."""
+
+    variants: str = option("", "comma-separated kernel variants of kernels/anchor_triton.py ('': every one but auto)")
+
+
+@dataclass
+class SoakOptions(Checked):
+    """A tiny anchored model trained --steps steps through each loader over the embedded dataset, anonymous resident
+memory sampled (docs/benchmarks.md): the JSON (settings, samples, slopes) at --out, a PNG beside it."""
+
+    steps: int = option(5000, "training steps per loader")
+    loaders: str = option("torchvision,ffcv", "comma-separated loaders data.loader can name")
+    batch_size: int = option(32, "batch size")
+    image_size: int = option(32, "embedded images and crops, pixels")
+    workers: int = option(2, "loader workers (processes or threads)")
+    model: str = option("fastanchor_resnet_tiny", "model trained (anchored)")
+    bank_size: int = option(256, "device-resident reference bank capacity")
+    threads: int = option(1, "torch CPU threads")
+    sample_every: int = option(25, "steps between memory samples")
+    warmup: float = option(0.2, "fraction of steps left out of the slope fit")
+    data_root: str = option("data/embedded", "embedded dataset (generated when missing)")
+    out: str = option("runs/bench/soak/soak-cpu.json", "result JSON; the PNG goes beside it")
+    record: str = option("", "also write the JSON and PNG into this directory (the committed evidence: results/soak)")
+
+    def checks(self):
+        unknown = [name for name in names_list(self.loaders) if name not in TRAINING_LOADERS]
+        return super().checks() + [
+            ("steps", self.steps >= 1, "at least 1"),
+            ("loaders", bool(names_list(self.loaders)) and not unknown, f"names from {', '.join(TRAINING_LOADERS)}"),
+            ("sample_every", self.sample_every >= 1, "at least 1"),
+            ("warmup", 0 <= self.warmup < 1, "a fraction in [0, 1)"),
+            ("threads", self.threads >= 1, "at least 1"),
         ]
 
 

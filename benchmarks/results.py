@@ -10,7 +10,8 @@
      "derived": [{"name", "numerator", "denominator", "factor", "meaning", "status", "value",
                   "per_round", "per_round_median", "per_round_min", "per_round_max"}]}
 
-Files are written atomically (temporary file, fsync, rename) under `<out>/<benchmark>-<device tag>[-<tag>]`.
+Files are written atomically (temporary file, fsync, rename) under `<out>/<benchmark>-<device tag>[-<tag>]` (and the
+same under `<record>/` with --record).
 """
 
 from __future__ import annotations

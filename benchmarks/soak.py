@@ -12,26 +12,27 @@ whenever other processes map the same libraries): it grows only with new allocat
 of a least-squares line through the samples after the warm-up is the figure: MiB per 1000 steps,
 about 0 when flat.
 
-    python -m fastanchor.benchmarks.soak --steps 5000 --out results/soak/soak-cpu.json
+    fastanchor bench soak --steps 5000 --record results/soak
 
-writes the JSON (device, versions, command, settings, samples, slopes) and a PNG beside it.
+writes the JSON (device, versions, command, settings, samples, slopes) and a PNG beside it, under runs/bench/soak/
+(and with --record into results/soak/, the committed evidence).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import gc
 import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fastanchor.benchmarks.options import SoakOptions, names_list
 from fastanchor.files import atomic_write_bytes
 from fastanchor.progress import progress_bar
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
@@ -99,26 +100,26 @@ def slope_per_1000_steps(steps, values, warmup: float) -> float:
 # The soak loop
 
 
-def soak(loader_name: str, args: argparse.Namespace) -> dict:
+def soak(loader_name: str, options: SoakOptions) -> dict:
     config = load_config(None, [
-        f"data.root={args.data_root}", f"data.loader={loader_name}", f"data.batch_size={args.batch_size}",
-        f"data.image_size={args.image_size}", f"data.workers={args.workers}", "train.progress=false",
-        f"embedded.image_size={args.image_size}", f"model.name={args.model}"])
+        f"data.root={options.data_root}", f"data.loader={loader_name}", f"data.batch_size={options.batch_size}",
+        f"data.image_size={options.image_size}", f"data.workers={options.workers}", "train.progress=false",
+        f"embedded.image_size={options.image_size}", f"model.name={options.model}"])
     ensure_dataset(config, progress=False)
     index = split_index(config.data, config.data.train_split)
     if loader_name == "ffcv":
         ensure_beton(config.data, index, progress=False)
     device = torch.device("cpu")
     loader = train_loader(config.data, index, device, seed=0)
-    stage = AnchoringStage(loader, AnchoringSpec(alpha=0.2), references=ReferenceBank(args.bank_size),
+    stage = AnchoringStage(loader, AnchoringSpec(alpha=0.2), references=ReferenceBank(options.bank_size),
                            device=device, seed=0)
     torch.manual_seed(0)
-    model = create_model(args.model, len(index.classes), anchored=True).to(memory_format=torch.channels_last)
+    model = create_model(options.model, len(index.classes), anchored=True).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     samples = [{"step": 0, "epoch": 0, "seconds": 0.0, **memory_sample()}]
     step, epoch, started = 0, 0, time.perf_counter()
-    bar = progress_bar(total=args.steps, desc=f"soak {loader_name}", unit="step")
-    while step < args.steps:
+    bar = progress_bar(total=options.steps, desc=f"soak {loader_name}", unit="step")
+    while step < options.steps:
         loader.set_epoch(epoch)
         for batch in stage:
             loss = anchored_cross_entropy(model(batch.inputs), batch.labels, batch.masked)
@@ -127,12 +128,12 @@ def soak(loader_name: str, args: argparse.Namespace) -> dict:
             optimizer.step()
             step += 1
             bar.update()
-            if step % args.sample_every == 0 or step == args.steps:
+            if step % options.sample_every == 0 or step == options.steps:
                 elapsed = time.perf_counter() - started
                 samples.append({"step": step, "epoch": epoch, "seconds": round(elapsed, 3), **memory_sample()})
-                bar.set_postfix(img_s=f"{step * args.batch_size / elapsed:.0f}",
+                bar.set_postfix(img_s=f"{step * options.batch_size / elapsed:.0f}",
                                 anon_mib=f"{samples[-1]['anon_tree_mib']:.0f}")
-            if step == args.steps:
+            if step == options.steps:
                 break
         epoch += 1
     bar.close()
@@ -142,24 +143,17 @@ def soak(loader_name: str, args: argparse.Namespace) -> dict:
     gc.collect()
     steps = [s["step"] for s in samples]
     result = {"samples": samples, "epochs": epoch, "steps_per_epoch": steps_per_epoch,
-              "images_per_s": step * args.batch_size / seconds}
+              "images_per_s": step * options.batch_size / seconds}
     for key in MEASURES:
         values = [s[key] for s in samples]
-        after = [v for s, v in zip(steps, values) if s >= args.warmup * steps[-1]]
-        result[f"{key}_slope_per_1000_steps"] = slope_per_1000_steps(steps, values, args.warmup)
+        after = [v for s, v in zip(steps, values) if s >= options.warmup * steps[-1]]
+        result[f"{key}_slope_per_1000_steps"] = slope_per_1000_steps(steps, values, options.warmup)
         result[f"{key}_growth_after_warmup"] = after[-1] - after[0]
     return result
 
 
 # ----------------------------------------------------------------------------------------------
 # Recording
-
-
-def available_loaders() -> list[str]:
-    names = ["torchvision", "ffcv"]
-    if (REPOSITORY / "pipeline" / "dali_loader.py").exists():
-        names.append("dali")
-    return names
 
 
 def versions() -> dict:
@@ -215,47 +209,25 @@ def plot(record: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fastanchor.benchmarks.soak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5000, help="training steps per loader (default 5000)")
-    parser.add_argument("--loaders", default=",".join(available_loaders()), help="comma-separated (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=32, help="embedded images and crops, pixels")
-    parser.add_argument("--workers", type=int, default=2, help="loader workers (processes or threads)")
-    parser.add_argument("--model", default="fastanchor_resnet_tiny")
-    parser.add_argument("--bank-size", type=int, default=256, help="device-resident reference bank capacity")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--sample-every", type=int, default=25, help="steps between memory samples")
-    parser.add_argument("--warmup", type=float, default=0.2, help="fraction of steps left out of the slope fit")
-    parser.add_argument("--data-root", default="data/embedded", help="embedded dataset (generated when missing)")
-    parser.add_argument("--out", default="results/soak/soak-cpu.json", help="result JSON; the PNG goes beside it")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    loaders = [name.strip() for name in args.loaders.split(",") if name.strip()]
+def run_soak(options: SoakOptions, command: str) -> dict:
+    options.validate()
+    torch.set_num_threads(options.threads)
     record = {
-        "benchmark": "soak", "device": device_description(), "versions": versions(),
-        "command": " ".join(["python -m fastanchor.benchmarks.soak", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "benchmark": "soak", "device": device_description(), "versions": versions(), "command": command,
+        "settings": {k: v for k, v in dataclasses.asdict(options).items() if k not in ("out", "record")},
         "memory": "anon_main_mib: RssAnon of the main process; anon_tree_mib: RssAnon summed over it and its worker "
                   "processes; slopes by least squares after the warm-up fraction of steps",
         "loaders": {},
     }
-    for name in loaders:
-        record["loaders"][name] = soak(name, args)
+    for name in names_list(options.loaders):
+        record["loaders"][name] = soak(name, options)
         result = record["loaders"][name]
-        print(f"{name}: {result['images_per_s']:.0f} img/s; MiB per 1000 steps after {args.warmup:.0%} warm-up: "
+        print(f"{name}: {result['images_per_s']:.0f} img/s; MiB per 1000 steps after {options.warmup:.0%} warm-up: "
               f"anonymous RSS of the process tree {result['anon_tree_mib_slope_per_1000_steps']:+.3f}, of the "
               f"main process {result['anon_main_mib_slope_per_1000_steps']:+.3f}", flush=True)
-    out = Path(args.out)
-    atomic_write_bytes(out, lambda handle: handle.write(json.dumps(record, indent=1).encode()))
-    plot(record, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    out = Path(options.out)
+    for path in [out] + ([Path(options.record) / out.name] if options.record else []):
+        atomic_write_bytes(path, lambda handle: handle.write(json.dumps(record, indent=1).encode()))
+        plot(record, path.with_suffix(".png"))
+        print(f"wrote {path} and {path.with_suffix('.png')}")
     return record
-
-
-if __name__ == "__main__":
-    main()

@@ -5,8 +5,8 @@ A step is the trainer's: the anchoring stage turns the uint8 batch into the netw
 only for standard; pair with an in-batch derangement, mask, build [r, x - r] for anchored), then the
 trainer's `TrainStep` (trainer/step.py: forward under autocast, the anchored cross-entropy, scaled
 backward, optimiser step), built by trainer/build.py's functions (build_model, make_optimizer, make_step,
-make_stage) from the default config, or with `--config` from the recipe's (its optimiser, batch augmentations,
-mixing, precision and anchoring settings). Three cases per model:
+make_stage) from the one validated Config of `--config` and `--set` (the recipe's optimiser, batch augmentations,
+mixing, precision and anchoring settings; without a recipe the built-in settings). Three cases per model:
 
     standard            3-channel model, normalised input
     anchored            6-channel model, no batch masked (alpha = 0)
@@ -33,37 +33,34 @@ from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchronize, write_profile
 from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
 from fastanchor.pipeline.anchoring import AnchoringStage
-from fastanchor.trainer.config import Config
+from fastanchor.trainer.config import Config, with_overrides
 from fastanchor.trainer.step import TrainStep
 
 UNIT = "images/s"
 BENCH_LR = 0.01  # small enough that random labels never drive the weights to inf/NaN (which would change the speed)
 
 
+def derived_config(config: Config, values: dict) -> Config:
+    """A new validated Config: `config` with `values` ({"section.key": value}) set; `config` itself is left as it is."""
+    return with_overrides(copy.deepcopy(config), values=values)
+
+
 class TrainingSetup:
     """A model with its optimiser, step and precision, built by trainer/build.py's functions as `fastanchor train`
-    builds them from `config` (a recipe's, or the defaults), with the benchmark's model, image size, anchoring and
-    precision set on it; the learning rate is BENCH_LR (random labels would drive a recipe's rate to NaN)."""
+    builds them from `config` (model.name at data.image_size, train.amp, train.channels_last, train.compile,
+    train.seed, optim.*, augment.*, anchor.*), standard or `anchored`; the learning rate is BENCH_LR (random labels
+    would drive a recipe's rate to NaN). The config it built from is `self.config`, a new one."""
 
-    def __init__(self, model_name: str, image_size: int, *, anchored: bool, device: torch.device, amp: str,
-                 channels_last: bool, compile: bool, num_classes: int, seed: int, config: Config | None = None):
+    def __init__(self, config: Config, *, anchored: bool, device: torch.device, num_classes: int):
         from fastanchor.trainer.build import build_model, make_optimizer, make_step
 
-        config = copy.deepcopy(config) if config is not None else Config()
-        config.model.name = model_name
-        config.anchor.enabled = anchored
-        config.data.image_size = image_size
-        config.train.channels_last = channels_last
-        config.train.amp = amp
-        config.train.seed = seed
-        config.optim.lr, config.optim.lr_batch = BENCH_LR, 0
-        self.config = config
-        torch.manual_seed(seed)
+        self.config = derived_config(config, {"anchor.enabled": anchored, "optim.lr": BENCH_LR, "optim.lr_batch": 0})
+        torch.manual_seed(self.config.train.seed)
         self.device = device
         self.anchored = anchored
-        model = build_model(config, num_classes, device).train()
-        self.step = make_step(config, model, make_optimizer(model, config), device,
-                              forward=torch.compile(model) if compile else None)
+        model = build_model(self.config, num_classes, device).train()
+        self.step = make_step(self.config, model, make_optimizer(model, self.config), device,
+                              forward=torch.compile(model) if self.config.train.compile else None)
         self.input_dtype = self.step.autocast_dtype or torch.float32
 
     def stage(self, alpha: float, seed: int, batch: torch.Tensor | None = None) -> AnchoringStage:
@@ -72,8 +69,7 @@ class TrainingSetup:
         anchor.references = fixed."""
         from fastanchor.trainer.build import make_stage
 
-        config = copy.deepcopy(self.config)
-        config.anchor.alpha, config.train.seed = alpha, seed
+        config = derived_config(self.config, {"anchor.alpha": alpha, "train.seed": seed})
         fixed = batch if config.anchor.references == "fixed" else None
         return make_stage(config, (), self.device, fixed_references=fixed)
 
@@ -117,15 +113,14 @@ def profile_path(result_json, case_name: str):
 
 @dataclass(frozen=True)
 class StepPlan:
+    config: Config  # what every case trains with (its model and image size set per case)
     models: list[tuple[str, int]]
-    batch_size: int
     steps: int
     recipes: list[str]  # the recipes whose model and training resolution are measured (with --config)
-    config: Config | None = None  # the recipe's config (with --config): its optimiser, augmentation and precision
 
 
 def model_at_resolution(config: Config) -> tuple[str, int]:
-    """A recipe's model and its first-epoch training resolution (progressive resizing starts there)."""
+    """A config's model and its first-epoch training resolution (progressive resizing starts there)."""
     from fastanchor.trainer.schedule import training_resolution
 
     return config.model.name, training_resolution(config.data, 0)
@@ -133,39 +128,39 @@ def model_at_resolution(config: Config) -> tuple[str, int]:
 
 def recipes_training(model_at: tuple[str, int]) -> list[str]:
     """Every shipped recipe that trains this model at this first-epoch resolution."""
-    from fastanchor.trainer.config import load_config
     from fastanchor.options.recipes import recipe_names
+    from fastanchor.trainer.config import load_config
 
     return [name for name in recipe_names() if model_at_resolution(load_config(name)) == model_at]
 
 
 def plan(options: StepOptions, device: torch.device) -> StepPlan:
+    """The run's config (--config and --set; without a recipe the built-in settings at batch 64 on CPU, 256 on CUDA),
+    the models measured (the recipe's at its first-epoch resolution, else --models or those by device) and the steps."""
     cuda = device.type == "cuda"
     steps = by_device(options.steps, 5, 20, cuda)
-    config = options.recipe_config()
-    if config is not None:
-        options.amp, options.channels_last = config.train.amp, config.train.channels_last
+    config = options.run_config({"data.batch_size": by_device(0, 64, 256, cuda)})
+    if options.recipe:
         model_at = model_at_resolution(config)
-        return StepPlan([model_at], options.batch_size or config.data.batch_size, steps, recipes_training(model_at), config)
+        return StepPlan(config, [model_at], steps, recipes_training(model_at))
     models = [parse_model_at(text) for text in names_list(by_device(options.models, CPU_STEP_MODELS, GPU_STEP_MODELS, cuda))]
-    return StepPlan(models, by_device(options.batch_size, 64, 256, cuda), steps, [])
+    return StepPlan(config, models, steps, [])
 
 
-def model_cases(options: StepOptions, device: torch.device, name: str, size: int, batch_size: int, steps: int,
-                config: Config | None = None):
-    """The three cases of one model and their ratios (`config`: the recipe's, else the defaults)."""
+def model_cases(options: StepOptions, device: torch.device, name: str, size: int, chosen: StepPlan):
+    """The three cases of one model and their ratios, trained with the plan's config."""
     label = f"{name}@{size}"
-    common = dict(device=device, amp=options.amp, channels_last=options.channels_last, compile=options.compile,
-                  num_classes=options.num_classes, seed=options.seed, config=config)
-    standard = TrainingSetup(name, size, anchored=False, **common)
-    anchored = TrainingSetup(name, size, anchored=True, **common)
+    config = derived_config(chosen.config, {"model.name": name, "data.image_size": size, "train.seed": options.seed})
+    standard = TrainingSetup(config, anchored=False, device=device, num_classes=options.num_classes)
+    anchored = TrainingSetup(config, anchored=True, device=device, num_classes=options.num_classes)
+    batch_size = config.data.batch_size
     batches = synthetic_batches(2, batch_size, size, options.num_classes, device, options.seed)
-    info = dict(model=name, image_size=size, batch_size=batch_size, steps_per_repetition=steps,
+    info = dict(model=name, image_size=size, batch_size=batch_size, steps_per_repetition=chosen.steps,
                 input_dtype=str(anchored.input_dtype).replace("torch.", ""))
     runs = [(f"{label} standard", standard, standard.stage(0.0, options.seed, batches[0][0])),
             (f"{label} anchored", anchored, anchored.stage(0.0, options.seed, batches[0][0])),
             (f"{label} anchored+masked", anchored, anchored.stage(1.0, options.seed, batches[0][0]))]
-    cases = [step_case(case, setup, stage, batches, steps, **info) for case, setup, stage in runs]
+    cases = [step_case(case, setup, stage, batches, chosen.steps, **info) for case, setup, stage in runs]
     profiles = [(case, lambda setup=setup, stage=stage: profiled_steps(setup, stage, batches, options.profile_steps))
                 for case, setup, stage in runs]
     derived = [
@@ -193,24 +188,26 @@ def measure_steps(options: StepOptions, command: str):
     chosen = plan(options, device)
     cases, derived, profiles = [], [], []
     for name, size in chosen.models:
-        more_cases, more_derived, more_profiles = model_cases(options, device, name, size, chosen.batch_size, chosen.steps,
-                                                              chosen.config)
+        more_cases, more_derived, more_profiles = model_cases(options, device, name, size, chosen)
         cases += more_cases
         derived += more_derived
         profiles += more_profiles
-    notes = [f"synthetic uint8 batches on the device, batch {chosen.batch_size}, {chosen.steps} steps per repetition; "
-             f"amp {options.amp}, channels-last {options.channels_last}, compile {options.compile}; built by trainer/build.py (build_model, make_optimizer, make_step, make_stage) from "
+    train = chosen.config.train
+    notes = [f"synthetic uint8 batches on the device, batch {chosen.config.data.batch_size}, {chosen.steps} steps per "
+             f"repetition; amp {train.amp}, channels-last {train.channels_last}, compile {train.compile}; built by "
+             f"trainer/build.py (build_model, make_optimizer, make_step, make_stage) from "
              f"{'the recipe' if options.recipe else 'the default config'}, learning rate {BENCH_LR}"]
     if options.cudnn_benchmark:
         notes.append("cuDNN benchmark on (torch.backends.cudnn.benchmark: convolution algorithms autotuned per shape)")
     if options.recipe:
-        options.tag = options.tag or options.recipe_tag()
         notes.append(f"recipe {options.recipe}: its model at its first-epoch training resolution; the figures stand for "
                      f"{', '.join(chosen.recipes)}")
     result, paths = run_and_write("step", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                                  config_extra={"recipes": chosen.recipes,
+                                  config=chosen.config, tag=options.tag or options.recipe_tag(),
+                                  config_extra={"recipes": chosen.recipes, "batch_size": chosen.config.data.batch_size,
                                                 "resolved": {"models": [f"{n}@{s}" for n, s in chosen.models],
-                                                             "batch_size": chosen.batch_size, "steps": chosen.steps}})
+                                                             "batch_size": chosen.config.data.batch_size,
+                                                             "steps": chosen.steps}})
     if options.profile_steps:
         for case, run in profiles:
             path = write_profile(run, device, profile_path(paths["json"], case), rows=50)

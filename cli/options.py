@@ -71,3 +71,25 @@ class RecipesOptions:
 @dataclass
 class DemoOptions(TrainingRecipe):
     out_dir: str = option("runs", "where the demo's run directory is created")
+
+
+@dataclass
+class DocsOptions:
+    """Every generated block (performance, fidelity, demo, recipes) is written into whichever of the README and the
+docs/*.md beside it holds its markers. The result files are read from results/, the committed evidence (benchmarks
+and sweeps write to runs/ unless given --record)."""
+
+    results: str = option("results", "directory of the committed result files")
+    readme: str = option("README.md", "the README to rewrite, with the docs/*.md beside it")
+
+
+@dataclass
+class HouseStatsOptions:
+    """Standard library only; git reads the revisions. The working tree is what git tracks plus the new files it does
+not ignore; lines are physical lines of the .py files, a function's length from its `def` to its last line."""
+
+    revs: list = option([], "git revision (repeatable; default: the working tree)", flag="--rev", metavar="REV")
+    top: int = option(15, "longest functions listed")
+    functions: list = option([], "also the length of this function in each revision, e.g. cli/__init__.py:run "
+                             "(repeatable)", flag="--function", metavar="PATH:NAME")
+    write: str = option("", "write the output into the house-stats block of this Markdown file", metavar="FILE.md")

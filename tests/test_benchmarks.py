@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from conftest import run_main
-from fastanchor.benchmarks import readme as bench_readme
+from fastanchor.cli import docs as docs_blocks
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
@@ -181,6 +181,30 @@ def test_op_benchmark(results):
 
 
 
+def test_a_plain_benchmark_run_writes_under_runs_and_publishes_only_with_record(tmp_path, monkeypatch):
+    """By default the result files go to runs/bench under the working directory (git-ignored), and the committed
+    evidence in results/ is untouched; --record DIR also writes the same files into DIR."""
+    def committed_files() -> dict:
+        return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in (REPO / "results").rglob("*")
+                if path.is_file()}
+
+    committed = committed_files()
+    assert "runs/" in (REPO / ".gitignore").read_text().split()
+    monkeypatch.chdir(tmp_path)
+    tiny = ["op", *COMMON, "--batch-size", 2, "--image-size", 16, "--iterations", 1, "--step-model", "none",
+            "--paths", "torch"]
+    assert run_main("bench", *tiny).returncode == 0
+    runs = tmp_path / "runs" / "bench"
+    assert sorted(path.name for path in runs.iterdir()) == ["op-cpu.json", "op-cpu.md", "op-cpu.png"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["runs"]
+    outcome = run_main("bench", *tiny, "--record", tmp_path / "evidence")
+    assert outcome.returncode == 0 and "recorded: " in outcome.stdout
+    recorded = tmp_path / "evidence" / "op-cpu.json"
+    assert recorded.read_text() == (runs / "op-cpu.json").read_text()
+    assert (tmp_path / "evidence" / "op-cpu.png").exists() and (tmp_path / "evidence" / "op-cpu.md").exists()
+    assert committed_files() == committed
+
+
 def test_op_benchmark_times_kernel_variants_after_checking_them(results, monkeypatch):
     """`--paths triton:VARIANT` on the CPU under the Triton interpreter (the rehearsal of the GPU command):
     each variant's output is compared with the torch reference before it is timed, and the check is recorded."""
@@ -233,7 +257,7 @@ def test_fast_path_compiles_without_spills_or_shared_memory_to_16_byte_stores(mo
     assert "STG.E.128" not in found["strided"]["stores"]
 
 def test_step_benchmark(results):
-    result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1,
+    result = bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--set", "data.batch_size=4", "--steps", 1,
                    "--num-classes", 4, "--out", results)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
@@ -248,8 +272,8 @@ def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
     """--profile-steps: one torch.profiler table per case, the stage and the step as ranges; only the anchored cases
     run the anchoring op, and the process's cuDNN setting is what it was (--cudnn-benchmark is the run's alone)."""
     before = torch.backends.cudnn.benchmark
-    bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--steps", 1, "--num-classes", 4,
-          "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
+    bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--set", "data.batch_size=4", "--steps", 1,
+          "--num-classes", 4, "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
     assert torch.backends.cudnn.benchmark == before
     tables = {kind: (tmp_path / f"step-cpu-profile-fastanchor_resnet_tiny-16-{kind}.txt").read_text()
               for kind in ("standard", "anchored", "anchored-masked")}
@@ -266,9 +290,10 @@ def test_step_benchmark_compile_steps_through_the_compiled_model():
     which a compiled model without len() refuses (TypeError), so --compile never ran. Building is enough here
     (compiling happens at the first call)."""
     from fastanchor.benchmarks.train_step import TrainingSetup
+    from fastanchor.trainer.config import load_config
 
-    setup = TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
-                          channels_last=False, compile=True, num_classes=4, seed=0)
+    config = load_config(None, ["data.image_size=16", "train.amp=off", "train.channels_last=false", "train.compile=true"])
+    setup = TrainingSetup(config, anchored=True, device=torch.device("cpu"), num_classes=4)
     assert isinstance(setup.step.forward, torch._dynamo.eval_frame.OptimizedModule)
     assert setup.step.forward._orig_mod is setup.step.model
 
@@ -276,8 +301,8 @@ def test_step_benchmark_compile_steps_through_the_compiled_model():
 def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path):
     from fastanchor.cli.recipes import measured_throughput, recipes_markdown
 
-    result = bench("step", *COMMON, "--config", "cifar/cifar10_wrn40_2_anchored", "--batch-size", 2, "--steps", 1,
-                   "--out", tmp_path)
+    result = bench("step", *COMMON, "--config", "cifar/cifar10_wrn40_2_anchored", "--set", "data.batch_size=2",
+                   "--steps", 1, "--out", tmp_path)
     wrn = ["cifar/cifar100_wrn40_2", "cifar/cifar100_wrn40_2_anchored", "cifar/cifar10_wrn40_2", "cifar/cifar10_wrn40_2_anchored"]
     assert result["config"]["recipes"] == wrn  # every recipe training WRN-40-2 at 32 px
     assert sorted(cases(result)) == [f"fastanchor_wrn40_2@32 {kind}" for kind in ("anchored", "anchored+masked", "standard")]
@@ -294,8 +319,9 @@ def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path
 
 def test_end_to_end_benchmark(tiny_dataset, results):
     result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
-                   "--workers", 0, "--model", "fastanchor_resnet_tiny@16", "--batch-size", 4, "--warmup-batches", 1,
-                   "--out", results, "--tag", "tiny", "--profile-batches", 2)
+                   "--workers", 0, "--set", "model.name=fastanchor_resnet_tiny", "--set", "data.image_size=16",
+                   "--set", "data.batch_size=4", "--warmup-batches", 1, "--out", results, "--tag", "tiny",
+                   "--profile-batches", 2)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
     for kind in ("standard", "anchored", "naive"):
@@ -362,8 +388,8 @@ def test_schema_check_refuses_inconsistent_results(results):
 
 def test_readme_block_from_result_files(results, tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Performance\n\n{bench_readme.BEGIN}\nold\n{bench_readme.END}\n\n## After\n")
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    readme.write_text(f"# x\n\n## Performance\n\n{docs_blocks.BEGIN}\nold\n{docs_blocks.END}\n\n## After\n")
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 0, outcome.stderr
     text = readme.read_text()
     assert text.startswith("# x\n\n## Performance\n\n") and text.endswith("\n## After\n") and "\nold\n" not in text
@@ -373,31 +399,31 @@ def test_readme_block_from_result_files(results, tmp_path):
     assert f"{100 * efficiency:.3g}%" in row and ("| met |" in row) == (efficiency >= 0.8) and "loader-cpu.md" in row
     assert "GPU figures are not yet measured" in text and "CPU figures are not yet measured" not in text
     assert "![loader on" in text
-    run_main("bench", "readme", "--results", results, "--readme", readme)
+    run_main("docs", "--results", results, "--readme", readme)
     assert readme.read_text() == text  # regenerating from the same files changes nothing
     readme.write_text("# no block\n")
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 2 and "no generated performance block" in outcome.stderr
     assert len(outcome.stderr.strip().splitlines()) == 1
 
 
 def test_readme_blocks_go_to_the_docs_page_holding_their_markers(results, tmp_path):
-    """`bench readme` writes each block into whichever of README.md and docs/*.md holds its markers, its links
+    """`fastanchor docs` writes each block into whichever of README.md and docs/*.md holds its markers, its links
     relative to that file; a page without markers is left as it is."""
     (tmp_path / "docs").mkdir()
     readme, page, other = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "other.md"
     readme.write_text("# x\n\nno generated block here\n")
-    page.write_text(f"# Performance\n\n{bench_readme.BEGIN}\nold\n{bench_readme.END}\n")
+    page.write_text(f"# Performance\n\n{docs_blocks.BEGIN}\nold\n{docs_blocks.END}\n")
     other.write_text("# other\n")
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 0, outcome.stderr
     assert readme.read_text() == "# x\n\nno generated block here\n" and other.read_text() == "# other\n"
     text = page.read_text()
     assert text.startswith("# Performance\n\n") and "\nold\n" not in text
-    expected = bench_readme.render_block(bench_readme.load_results(results), page.parent.resolve())
+    expected = docs_blocks.render_block(docs_blocks.load_results(results), page.parent.resolve())
     assert expected in text and "loader-cpu.md" in expected
     page.write_text("# Performance\n")  # the performance block in none of them: one line, exit 2
-    outcome = run_main("bench", "readme", "--results", results, "--readme", readme)
+    outcome = run_main("docs", "--results", results, "--readme", readme)
     assert outcome.returncode == 2 and "no generated performance block" in outcome.stderr
     assert len(outcome.stderr.strip().splitlines()) == 1
 
@@ -406,9 +432,9 @@ def test_committed_readme_block_matches_committed_results():
     """The performance block lives in docs/benchmarks.md (the README links to it)."""
     page = REPO / "docs" / "benchmarks.md"
     text = page.read_text()
-    start, end = text.index(bench_readme.BEGIN), text.index(bench_readme.END) + len(bench_readme.END)
-    expected = bench_readme.render_block(bench_readme.load_results(REPO / "results"), page.parent)
-    assert text[start:end] == expected, "docs/benchmarks.md's performance block is stale: run `fastanchor bench readme`"
+    start, end = text.index(docs_blocks.BEGIN), text.index(docs_blocks.END) + len(docs_blocks.END)
+    expected = docs_blocks.render_block(docs_blocks.load_results(REPO / "results"), page.parent)
+    assert text[start:end] == expected, "docs/benchmarks.md's performance block is stale: run `fastanchor docs`"
 
 
 def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):
@@ -416,8 +442,9 @@ def test_bad_options_stop_with_one_line(tiny_dataset, tmp_path):
         (["step", "--models", "resnet18", "--no-progress"], "expected <model name>@<image side"),
         (["loader", "--data", tmp_path / "missing", "--no-progress"], "does not exist"),
         (["loader", "--data", tiny_dataset / "train", "--loaders", "ffcv,tensorflow", "--no-progress"], "tensorflow"),
-        (["e2e", "--data", tiny_dataset / "train", "--batch-size", 64, "--loader", "torchvision", "--no-progress"],
-         "fewer than warmup_batches"),
+        (["e2e", "--data", tiny_dataset / "train", "--set", "data.batch_size=64", "--loader", "torchvision",
+          "--no-progress"], "fewer than warmup_batches"),
+        (["step", "--set", "train.amp=fast", "--no-progress"], "train.amp = 'fast': expected one of auto, bf16"),
     ]:
         outcome = run_main("bench", *args, "--out", tmp_path)
         assert outcome.returncode == 2 and expected in outcome.stderr, outcome.stderr
@@ -434,20 +461,20 @@ def test_a_gpu_result_names_its_cuda_and_driver():
 
 
 def test_house_stats_writes_its_block_between_the_markers(tmp_path):
-    """`house_stats --write FILE` replaces only its generated block: folder lines that add up to the total, the
+    """`fastanchor house-stats --write FILE` replaces only its generated block: folder lines that add up to the total, the
     longest functions in order, and the named functions' lengths as `ast` measures them."""
     import ast
 
     def house_stats(*args):  # in its own process: ast.parse in a long-lived test worker can hit CPython 3.11's
         # "AST constructor recursion depth mismatch" SystemError, whatever the code read
-        return subprocess.run([sys.executable, "-m", "fastanchor.benchmarks.house_stats", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "fastanchor", "house-stats", *args], capture_output=True,
                               text=True, cwd=REPO, timeout=300)
 
     page = tmp_path / "page.md"
     page.write_text("before\n\n<!-- house-stats:begin: old -->\nold numbers\n<!-- house-stats:end -->\nafter\n")
     assert house_stats("--top", "3", "--function", "cli/__init__.py:run", "--write", str(page)).returncode == 0
     text = page.read_text()
-    assert text.startswith("before\n\n<!-- house-stats:begin: generated by `python -m fastanchor.benchmarks.house_stats "
+    assert text.startswith("before\n\n<!-- house-stats:begin: generated by `fastanchor house-stats "
                            "--top 3 --function cli/__init__.py:run --write")
     assert text.endswith("<!-- house-stats:end -->\nafter\n") and "old numbers" not in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "folder" not in line]
@@ -466,9 +493,13 @@ def test_house_stats_writes_its_block_between_the_markers(tmp_path):
 
 def test_first_layer_table_times_the_three_layers_and_the_padded_one_is_the_anchored_function():
     from fastanchor.benchmarks import first_layer
+    from fastanchor.benchmarks.options import FirstLayerOptions
 
-    rows = first_layer.main(["--device", "cpu", "--models", "fastanchor_resnet_tiny@16", "--batch-size", "2",
-                             "--iterations", "1"])
+    outcome = run_main("bench", "first-layer", "--device", "cpu", "--models", "fastanchor_resnet_tiny@16",
+                       "--batch-size", 2, "--iterations", 1)
+    assert outcome.returncode == 0 and "| fastanchor_resnet_tiny@16 | off |" in outcome.stdout, outcome.stderr
+    rows = first_layer.run_first_layer(FirstLayerOptions(device="cpu", models="fastanchor_resnet_tiny@16", batch_size=2,
+                                                         iterations=1), "")
     assert [r["cudnn_benchmark"] for r in rows] == [False, True]
     assert all(r[f"ms_{c}"] > 0 for r in rows for c in (*first_layer.CHANNELS, first_layer.PADDED))
     # 6 channels + 2 zero channels with a zero-padded weight: the 6-channel layer's output and weight gradient

@@ -5,7 +5,7 @@ torchvision and FFCV loaders), a kill-and-resume that is bitwise with the CUDA R
 train.deterministic, and a one-process NCCL run through torchrun.
 
 Without a CUDA device they are skipped. FASTANCHOR_TEST_DEVICE=cpu runs the same tests on the CPU at
-tiny sizes (the Triton op under its interpreter): the rehearsal of `benchmarks/run_gpu.sh --device cpu`.
+tiny sizes (the Triton op under its interpreter): the rehearsal of `scripts/run_gpu.sh --device cpu`.
 """
 
 import os

@@ -20,8 +20,9 @@ from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transfor
 from fastanchor.trainer.build import build_training, train_loader
 from fastanchor.trainer.config import DataConfig, load_config
 from fastanchor.trainer.distributed import Processes
+from fastanchor.pipeline.loaders.registry import TRAINING_LOADERS
 
-LOADERS = ("torchvision", "ffcv", "dali")
+LOADERS = tuple(TRAINING_LOADERS)  # every loader training can select
 
 
 @pytest.mark.parametrize("fraction, samples, classes", [(0.2, 1000, 10), (0.05, 997, 3), (0.5, 41, 2), (0.3, 7, 100)])

@@ -8,7 +8,7 @@ The layers, bottom first (a module may import its own layer and the layers below
   options     fastanchor/options/: option(), flags generated from options dataclasses, recipe files; every
               command declares its flags with it without importing anything heavier
   kernels     fastanchor/kernels/
-  pipeline    fastanchor/pipeline/ (loaders/, beton/, datasets/, augment/, shifts/; the three loader files in
+  pipeline    fastanchor/pipeline/ (loaders/, beton/, datasets/, augment/, shifts/; the loader files in
               loaders/ import nothing from each other, a test checks)
   trainer     fastanchor/trainer/, in parts that import only down too, bottom first:
                 models  trainer/models/ (factory.py: the model factory on surgery.py: first-layer surgery; one
@@ -22,7 +22,7 @@ The layers, bottom first (a module may import its own layer and the layers below
   reproduce   fastanchor/reproduce/ (`fastanchor reproduce`: the papers' experiments as sweeps of runs), on
               the floor of benchmarks: listed above it, and a test checks that neither imports the other
   cli         the `fastanchor` command and its entry points: fastanchor/cli/ (the console script
-              `fastanchor = fastanchor.cli:main`, and the demo and recipes commands), fastanchor/__main__.py
+              `fastanchor = fastanchor.cli:main`, and the demo, recipes, docs and house-stats commands), fastanchor/__main__.py
               (`python -m fastanchor`) and benchmarks/__main__.py (`python -m fastanchor.benchmarks`)
 
 Every `import` and `from ... import` of a `fastanchor` module is read with `ast`, at module level and
@@ -274,7 +274,7 @@ def test_model_rooms_stay_apart():
 
 
 LOADER_FILES = ("fastanchor.pipeline.loaders.torchvision", "fastanchor.pipeline.loaders.ffcv",
-                "fastanchor.pipeline.loaders.dali")  # one loader each: what they share lives in loaders/spec.py
+                "fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.nvjpeg")  # one loader each: what they share lives in loaders/spec.py
 
 
 def imports_between_loaders(imports: list[Import]) -> list[str]:
@@ -283,7 +283,8 @@ def imports_between_loaders(imports: list[Import]) -> list[str]:
 
 
 def test_loader_files_import_nothing_from_each_other():
-    """pipeline/loaders/: torchvision, FFCV and DALI one file each; the registry imports all three, none another."""
+    """pipeline/loaders/: one file per loader (torchvision, FFCV, DALI, nvJPEG), none importing another; the registry
+    names each by its module (imported when a loader is made)."""
     assert imports_between_loaders([Import("fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.torchvision",
                                            7, False)]) == [
         "fastanchor.pipeline.loaders.dali imports fastanchor.pipeline.loaders.torchvision at line 7"]

@@ -1,13 +1,16 @@
 """The loaders as one family: LoaderSpec checks every setting once, every registered loader keeps the Loader
-contract, and the trainer's builder and the loader benchmark both build through the registry."""
+contract, the trainer's builder and the loader benchmark both build through the registry, and a new loader is one
+file and one registry entry."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from conftest import run_main
 from fastanchor.benchmarks import loaders as bench_loaders
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.beton.write import write_beton
@@ -36,16 +39,87 @@ def test_a_bad_setting_is_one_line_naming_it(bad, named):
     LoaderSpec(**{**GOOD, "rank": 1, "world_size": 2, "crop": "padded", "crop_ratio": 1.0, "min_scale": 1.0})
 
 
-def test_the_registry_names_the_three_loaders_and_refuses_others(tiny_dataset):
-    assert sorted(registry.LOADERS) == ["dali", "ffcv", "torchvision"] == sorted(registry.POLICIES)
-    with pytest.raises(ConfigError, match="data.loader = 'webdataset': expected one of torchvision, ffcv, dali"):
+def test_the_registry_names_the_loaders_training_selects_three_of_them_and_others_are_refused(tiny_dataset):
+    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "nvjpeg", "nvjpeg-pipelined"]
+    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali"]  # the nvJPEG loaders: benchmarks only
+    with pytest.raises(ConfigError, match="loader 'webdataset': expected one of torchvision, ffcv, dali, nvjpeg, "):
         registry.make("webdataset", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
+    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg': expected one of torchvision, ffcv, dali$"):
+        load_config(None, ["data.loader=nvjpeg"])
     with pytest.raises(ConfigError, match="augment.auto_augment = 'randaugment' is not supported by data.loader = 'ffcv'"):
         registry.check_loader_supports("ffcv", "randaugment")
+    registry.check_loader_supports("dali", "randaugment")  # what a loader's module declares it can do (POLICIES)
 
 
-@pytest.mark.parametrize("name", ["torchvision", "ffcv", "dali"])
-def test_every_registered_loader_keeps_the_contract(name, tiny_dataset, tmp_path):
+TINY_LOADER = '''"""A loader in one file: the index's images in file order, decoded by PIL in the main process, resized."""
+import numpy as np
+import torch
+from PIL import Image
+
+from fastanchor.pipeline.loaders.spec import checked_spec
+
+
+class TinyLoader:
+    shards_evaluation = False
+
+    def __init__(self, index, spec):
+        self.index, self.spec, self.size = index, checked_spec(spec), spec.image_size
+
+    def __len__(self):
+        whole, rest = divmod(len(self.index.samples), self.spec.batch_size)
+        return whole + (rest > 0 and not self.spec.drop_last)
+
+    def set_epoch(self, epoch):
+        pass
+
+    def set_image_size(self, image_size):
+        self.size = image_size
+
+    def __iter__(self):
+        return self.iter_from(0)
+
+    def iter_from(self, first_batch):
+        size = self.spec.batch_size
+        for start in range(first_batch * size, len(self) * size, size):
+            chunk = self.index.samples[start:start + size]
+            images = torch.stack([torch.from_numpy(np.array(Image.open(path).convert("RGB").resize((self.size,) * 2)))
+                                  .permute(2, 0, 1) for path, _ in chunk])
+            yield (images.contiguous(memory_format=torch.channels_last).to(self.spec.device),
+                   torch.tensor([label for _, label in chunk]))
+'''
+
+
+def test_adding_a_loader_is_one_file_and_one_registry_entry(tiny_dataset, tmp_path, monkeypatch):
+    """A loader written in one file and named by one entry: the config accepts it as data.loader, the trainer's
+    builder makes it through the registry, and the loader benchmark measures it."""
+    (tmp_path / "tiny_loader.py").write_text(TINY_LOADER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.LOADERS, "tiny", registry.LoaderEntry("tiny", "tiny_loader:TinyLoader",
+                                                                       "PIL in the main process, in file order", "PIL"))
+    config = load_config(None, [f"data.root={tiny_dataset}", "data.loader=tiny", "data.workers=0", "data.batch_size=8",
+                                "data.image_size=16"])
+    index = scan_image_folder(tiny_dataset / "train")
+    loader = build.train_loader(config.data, index, torch.device("cpu"), 0)
+    assert type(loader).__name__ == "TinyLoader" and isinstance(loader, Loader)
+    batches = list(loader)
+    assert len(batches) == len(loader) == len(index) // 8 and batches[0][0].shape == (8, 3, 16, 16)
+    with pytest.raises(ConfigError, match="data.loader = 'tiny': expected one of none"):
+        load_config(None, ["data.loader=tiny", "augment.auto_augment=randaugment"])
+
+    out = tmp_path / "bench"
+    outcome = run_main("bench", "loader", "--device", "cpu", "--repetitions", 1, "--warmup-rounds", 0, "--no-progress",
+                       "--data", tiny_dataset / "train", "--images", 16, "--batch-size", 4, "--image-size", 16,
+                       "--workers", 1, "--warmup-batches", 1, "--loaders", "tiny", "--out", out)
+    assert outcome.returncode == 0, outcome.stderr
+    (result,) = [json.loads(path.read_text()) for path in out.glob("loader-*.json")]
+    tiny = next(case for case in result["cases"] if case["name"] == "tiny")
+    assert tiny["status"] == "ok" and tiny["description"] == "PIL in the main process, in file order"
+    assert [r["items"] for r in tiny["repetitions"]] == [12]  # 4 batches of 4, the first untimed
+    assert any(item["name"] == "efficiency: tiny" for item in result["derived"])  # a CPU decoder, against its limit
+
+
+@pytest.mark.parametrize("name", list(registry.TRAINING_LOADERS))
+def test_every_loader_training_selects_keeps_the_contract(name, tiny_dataset, tmp_path):
     """uint8 channels-last NCHW and int64 labels on the device, len() batches, the epoch order a function of
     (seed, epoch), iter_from(k) the epoch's batches from k on, set_image_size from the next epoch on."""
     index = scan_image_folder(tiny_dataset / "train")
@@ -112,9 +186,12 @@ def test_bench_step_builds_its_step_and_stage_from_the_recipe():
     planned = train_step.plan(StepOptions(recipe="demo", device="cpu"), torch.device("cpu"))
     assert planned.config.optim.name == "adamw" and planned.models == [train_step.model_at_resolution(planned.config)]
     config = load_config("demo", ["augment.augmix=true", "augment.mixup_alpha=0.2", "optim.label_smoothing=0.1",
-                                  "optim.grad_clip=1.5"])
-    setup = train_step.TrainingSetup("fastanchor_resnet_tiny", 16, anchored=True, device=torch.device("cpu"), amp="off",
-                                     channels_last=False, compile=False, num_classes=4, seed=0, config=config)
+                                  "optim.grad_clip=1.5", "data.image_size=16", "train.amp=off",
+                                  "train.channels_last=false"])
+    before = config.to_dict()
+    setup = train_step.TrainingSetup(config, anchored=True, device=torch.device("cpu"), num_classes=4)
+    assert config.to_dict() == before and setup.config is not config  # the setup builds a new config, never edits one
+    assert (setup.config.anchor.enabled, setup.config.optim.lr) == (True, train_step.BENCH_LR)
     step = setup.step
     assert isinstance(step.optimizer, torch.optim.AdamW) and step.optimizer.param_groups[0]["lr"] == train_step.BENCH_LR
     assert (step.mixer.mixup_alpha, step.label_smoothing, step.grad_clip) == (0.2, 0.1, 1.5)
@@ -143,9 +220,12 @@ def test_bench_e2e_builds_its_loader_and_step_from_the_recipe(tiny_dataset, tmp_
         assert build_parser().parse_args(["bench", "e2e", flag, str(recipe)]).recipe == str(recipe)
     options = EndToEndOptions(recipe=str(recipe), device="cpu", data=str(tiny_dataset / "train"), workers=1, seed=3)
     device = torch.device("cpu")
-    config, loader_name, model, size, batch = end_to_end.e2e_settings(options, device)
+    before = dataclasses.asdict(options)
+    chosen = end_to_end.e2e_plan(options, device)
+    config, loader_name, model, size, batch = (chosen.config, chosen.loader, chosen.model, chosen.image_size,
+                                               chosen.config.data.batch_size)
     assert (loader_name, model, size, batch) == ("torchvision", "fastanchor_resnet_tiny", 16, 8)
-    assert (options.amp, options.channels_last) == (config.train.amp, config.train.channels_last)
+    assert dataclasses.asdict(options) == before  # the options are read, never rewritten
     request = bench_loaders.make_request(options, device, batch_size=batch, image_size=size, recipe=config)
     spec = bench_loaders.loader_spec(request)
     assert (spec.crop, spec.padding, spec.hflip, spec.min_scale, spec.workers) == ("padded", 2, False, config.data.min_scale, 1)
@@ -156,6 +236,5 @@ def test_bench_e2e_builds_its_loader_and_step_from_the_recipe(tiny_dataset, tmp_
     assert type(benched) is type(trained) and len(benched) == len(trained)
     for (bench_images, bench_labels), (train_images, train_labels) in zip(benched, trained):
         assert torch.equal(bench_images, train_images) and torch.equal(bench_labels, train_labels)
-    setup = train_step.TrainingSetup(model, size, anchored=True, device=device, amp="off", channels_last=False,
-                                     compile=False, num_classes=4, seed=0, config=config)
+    setup = train_step.TrainingSetup(config, anchored=True, device=device, num_classes=4)
     assert isinstance(setup.step.optimizer, torch.optim.AdamW) and config.optim.name == "adamw"

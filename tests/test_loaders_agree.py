@@ -21,8 +21,9 @@ from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, eval_transform
 from fastanchor.trainer.build import train_loader
 from fastanchor.trainer.config import DataConfig
+from fastanchor.pipeline.loaders.registry import TRAINING_LOADERS
 
-LOADERS = ("torchvision", "ffcv", "dali")
+LOADERS = tuple(TRAINING_LOADERS)  # every loader training can select
 
 
 @pytest.fixture(scope="module")

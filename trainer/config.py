@@ -15,6 +15,7 @@ from fastanchor.options.flags import Overrides
 from fastanchor.options.option import option
 from fastanchor.options.recipes import (DEFAULT_RECIPE, coerce_value, parse_override, read_recipe, resolve_recipe,
                                         unknown_key)
+from fastanchor.pipeline.loaders.registry import TRAINING_LOADERS
 
 
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")  # what torch.device is handed
@@ -31,7 +32,7 @@ class DataConfig:
     ood_split: str = option("ood", "out-of-distribution split folder under data.root ('' to skip anomaly rejection)")
     far_ood_split: str = option("ood_textures", "far-OOD split folder under data.root, also evaluated where it exists ('' to skip)")
     allow_empty_classes: bool = option(False, "keep a class folder without images as a class (false: refuse it, as torchvision does)")
-    loader: str = option("torchvision", "data loader: torchvision DataLoader, FFCV (.beton files written from the tree) or NVIDIA DALI", choices=("torchvision", "ffcv", "dali"))
+    loader: str = option("torchvision", "data loader by name (pipeline/loaders/registry.py says what each reads and does)", choices=TRAINING_LOADERS)
     ffcv_max_resolution: int = option(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = option(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = option(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")

@@ -1,43 +1,102 @@
-"""The loaders by name: `LOADERS[name](source, spec, **knobs)` makes one (`make` says so in one call).
+"""The loaders, one entry each: `LOADERS[name]` says everything about loader `name` (what makes it, what it reads,
+where it decodes, whether training can select it), and `make` builds one in one call.
 
-The source is what the loader reads: an ImageFolder index for torchvision and DALI, a .beton path for FFCV
-(pipeline/beton/ writes it). Every loader class takes (source, LoaderSpec, its own knobs); where a loader needs a
-step between the spec and its class (torchvision builds the decoding dataset, FFCV reads evaluation unsharded),
-its file's `from_spec` is the entry. Adding a loader is one file in this folder and one line in each table here.
+Everything that names loaders reads this table: the config's `data.loader` choices (`TRAINING_LOADERS`), the
+trainer's builder (`make`), the check of per-image policies (`check_loader_supports`) and the benchmarks
+(`bench loader --loaders`, `bench e2e --loader`). It imports no torch (trainer/config.py reads it for `--help`):
+an entry names its maker as "module:function" and its module is imported when a loader is made.
+
+Every loader is made from a source (an ImageFolder index, or a .beton path for FFCV, which pipeline/beton/ writes)
+and a LoaderSpec, plus its own knobs. A loader's module declares `POLICIES`, the augment.auto_augment values it can
+do per image (none but "none" where it declares nothing). Adding a loader is one file in this folder and one entry
+here.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from fastanchor.errors import ConfigError
-from fastanchor.pipeline.loaders import dali, ffcv, torchvision
-from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
-
-LOADERS: dict[str, Callable[..., Loader]] = {
-    "torchvision": torchvision.from_spec,
-    "ffcv": ffcv.from_spec,
-    "dali": dali.DALILoader,
-}
-# What each loader can do per image besides its crop and flip (augment.auto_augment; checked once, at start-up).
-POLICIES: dict[str, tuple[str, ...]] = {
-    "torchvision": torchvision.POLICIES,
-    "ffcv": ffcv.POLICIES,
-    "dali": dali.POLICIES,
-}
-_POLICY_NOTES = {"ffcv": "FFCV's pipeline only crops and flips; use data.loader=torchvision or dali"}
 
 
-def make(name: str, source, spec: LoaderSpec, **knobs) -> Loader:
-    """The loader `name` (data.loader) over `source` with `spec`; `knobs`: that loader's own keywords."""
+@dataclass(frozen=True)
+class LoaderEntry:
+    name: str
+    maker: str  # "module:function", the module by its full dotted name: function(source, spec, **knobs)
+    description: str  # one line, in the benchmarks' results
+    library: str  # what must be importable to make it (named where it is not)
+    reads: str = "files"  # "files": an ImageFolder index; "beton": a .beton written from it
+    decodes: str = "cpu"  # where JPEGs are decoded: "cpu" (worker processes or threads) or "device" (the batches' device)
+    trains: bool = True  # data.loader may name it: it keeps the whole Loader protocol (spec.py)
+    cuda_only: bool = False  # it runs on CUDA devices only
+    backend_may_lack_device: bool = False  # a RuntimeError on making it: its library cannot run on this device
+    policy_note: str = ""  # what a refused augment.auto_augment is told (default: the policies it offers)
+    knobs: dict = field(default_factory=dict)  # keywords its maker always gets (beyond the spec and the caller's)
+
+    def module(self):
+        return importlib.import_module(self.maker.partition(":")[0])
+
+    def make(self, source, spec, **knobs):
+        return getattr(self.module(), self.maker.partition(":")[2])(source, spec, **{**self.knobs, **knobs})
+
+    def policies(self) -> tuple[str, ...]:
+        return getattr(self.module(), "POLICIES", ("none",))
+
+
+HERE = "fastanchor.pipeline.loaders."
+LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
+    LoaderEntry("torchvision", HERE + "torchvision:from_spec",
+                "torch DataLoader over the ImageFolder, PIL decode in worker processes", "torchvision"),
+    LoaderEntry("ffcv", HERE + "ffcv:from_spec", "FFCV Loader over a .beton (numba threads decode)", "FFCV",
+                reads="beton", policy_note="FFCV's pipeline only crops and flips; use data.loader=torchvision or dali"),
+    LoaderEntry("dali", HERE + "dali:DALILoader", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",
+                "DALI", decodes="device", backend_may_lack_device=True),
+    LoaderEntry("nvjpeg", HERE + "nvjpeg:NvjpegLoader",
+                "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)", "torchvision",
+                decodes="device", trains=False, cuda_only=True),
+    LoaderEntry("nvjpeg-pipelined", HERE + "nvjpeg:NvjpegLoader",
+                "nvjpeg's decode and crops, prepared 2 batches ahead on a thread and CUDA stream of their own",
+                "torchvision", decodes="device", trains=False, cuda_only=True, knobs={"pipelined": True}),
+)}
+
+
+class TrainingLoaders(Sequence):
+    """The names data.loader may take, read from LOADERS whenever asked (an entry added later is among them)."""
+
+    def _names(self) -> list[str]:
+        return [name for name, entry in LOADERS.items() if entry.trains]
+
+    def __getitem__(self, index):
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(tuple(self._names()))
+
+
+TRAINING_LOADERS = TrainingLoaders()
+
+
+def entry(name: str) -> LoaderEntry:
     if name not in LOADERS:
-        raise ConfigError(f"data.loader = {name!r}: expected one of {', '.join(LOADERS)}")
-    return LOADERS[name](source, spec, **knobs)
+        raise ConfigError(f"loader {name!r}: expected one of {', '.join(LOADERS)}")
+    return LOADERS[name]
+
+
+def make(name: str, source, spec, **knobs):
+    """The loader `name` (data.loader) over `source` with `spec` (a LoaderSpec); `knobs`: that loader's own keywords."""
+    return entry(name).make(source, spec, **knobs)
 
 
 def check_loader_supports(loader: str, policy: str) -> None:
     """Refuse, with one line, a per-image augmentation `policy` (augment.auto_augment) that `loader`
     (data.loader) cannot do."""
-    if policy not in POLICIES.get(loader, (policy,)):
+    found = entry(loader)
+    offered = found.policies()
+    if policy not in offered:
         raise ConfigError(f"augment.auto_augment = {policy!r} is not supported by data.loader = {loader!r}: "
-                          f"{_POLICY_NOTES.get(loader, 'expected one of ' + ', '.join(POLICIES[loader]))}")
+                          f"{found.policy_note or 'expected one of ' + ', '.join(offered)}")

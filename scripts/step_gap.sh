@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the anchored training step loses time against the standard one (issue 29), in one short GPU call:
 #
-#   benchmarks/step_gap.sh OUTDIR [--device cpu] [--compile]
+#   scripts/step_gap.sh OUTDIR [--device cpu] [--compile]
 #
 #   1. syncs    the stage and step of every case on the GPU under torch's sync debug mode (tests/test_gpu.py)
 #   2. step     bench step for ResNet-18/50 at 176 px and ViT-B/16 at 224 px (bf16, channels-last, batch 256),
@@ -28,7 +28,7 @@ for arg in "$@"; do
     esac
 done
 if [[ -z $out || ($device != cuda && $device != cpu) ]]; then
-    echo "usage: benchmarks/step_gap.sh OUTDIR [--device cuda|cpu] [--compile]" >&2
+    echo "usage: scripts/step_gap.sh OUTDIR [--device cuda|cpu] [--compile]" >&2
     exit 2
 fi
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
@@ -57,7 +57,7 @@ else
     models=fastanchor_resnet_tiny@32 batch=8 steps=2 reps=1 compiled=fastanchor_resnet_tiny@32
     stems=$models iterations=2
 fi
-step=("$PYTHON" -m fastanchor.benchmarks step --device "$device" --no-progress --batch-size "$batch" --steps "$steps")
+step=("$PYTHON" -m fastanchor.benchmarks step --device "$device" --no-progress --set "data.batch_size=$batch" --steps "$steps")
 export FASTANCHOR_TEST_DEVICE=$device
 stage syncs "${LIMIT_SYNCS:-90}" "$PYTHON" -m pytest tests/test_gpu.py -k never_make_the_host_wait -p no:cacheprovider \
     -q --tb=short -ra
@@ -67,7 +67,7 @@ stage cudnn "${LIMIT_CUDNN:-100}" "${step[@]}" --models "$models" --repetitions 
 stage stem "${LIMIT_STEM:-90}" "$PYTHON" -m fastanchor.benchmarks.first_layer --device "$device" --models "$stems" \
     --batch-size "$batch" --iterations "$iterations"
 if [[ $compile == 1 ]]; then
-    stage compile "${LIMIT_COMPILE:-240}" "${step[@]}" --models "$compiled" --repetitions 2 --compile --tag compile \
+    stage compile "${LIMIT_COMPILE:-240}" "${step[@]}" --models "$compiled" --repetitions 2 --set train.compile=true --tag compile \
         --out "$out"
 fi
 echo "== $(date -u +%FT%TZ) done; stages:"

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Everything a CUDA machine has to tell us (issue 17), in two runs of under 10 minutes each:
 #
-#   benchmarks/run_gpu.sh correctness OUTDIR   # the GPU test set (tests/test_gpu.py and every test with a CUDA
+#   scripts/run_gpu.sh correctness OUTDIR   # the GPU test set (tests/test_gpu.py and every test with a CUDA
 #                                              # path) on the GPU, then the suite's fast tier on this machine's
 #                                              # torch with the GPU hidden
-#   benchmarks/run_gpu.sh figures OUTDIR       # ImageNet-shaped JPEGs, then bench loader, op, step, e2e (nvJPEG
+#   scripts/run_gpu.sh figures OUTDIR       # ImageNet-shaped JPEGs, then bench loader, op, step, e2e (nvJPEG
 #                                              # and FFCV, with a torch.profiler table) in the issue's setting:
 #                                              # ResNet-50, 176 px, bf16, channels-last, batch 256
-#   benchmarks/run_gpu.sh all OUTDIR           # both in one lease of about 9 minutes: the GPU test set while the
+#   scripts/run_gpu.sh all OUTDIR           # both in one lease of about 9 minutes: the GPU test set while the
 #                                              # JPEGs are written on the CPUs, then the figures; the suite's CPU
 #                                              # tier is left out (run it on torch 2.11 off the GPU machine)
-#   benchmarks/run_gpu.sh op OUTDIR            # the op's Triton kernel variants side by side, each checked against
+#   scripts/run_gpu.sh op OUTDIR            # the op's Triton kernel variants side by side, each checked against
 #                                              # the torch reference first (under a minute; docs/notes/anchor_op_gpu.md)
-#   benchmarks/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, 2.5 minutes: the nvJPEG tests, then the
+#   scripts/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, 2.5 minutes: the nvJPEG tests, then the
 #                                              # per-image (nvjpeg) and pipelined (nvjpeg-pipelined) loaders side by
 #                                              # side, and e2e with each (docs/notes/nvjpeg_loader_gpu.md)
 #
@@ -24,9 +24,9 @@
 #
 # Where fastanchor is not installed (a bare GPU machine, no network), it is installed into the machine's
 # Python (PYTHON, default .venv/bin/python or python3) with FFCV and the test dependencies from WHEELS
-# (default data/wheels, which benchmarks/gpu_wheels.sh builds; data/ is git-ignored, so carry it): a lent
+# (default data/wheels, which scripts/gpu_wheels.sh builds; data/ is git-ignored, so carry it): a lent
 # machine is thrown away afterwards, and its torch, triton and timm are the ones measured.
-# The result files go into results/ (commit them), then `fastanchor bench readme`.
+# The result files go into OUTDIR; copy them into results/ (commit them), then `fastanchor docs`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,7 +42,7 @@ for arg in "$@"; do
 done
 if [[ $part != correctness && $part != figures && $part != all && $part != nvjpeg && $part != op || -z $out ||
       ($device != cuda && $device != cpu) ]]; then
-    echo "usage: benchmarks/run_gpu.sh correctness|figures|all|nvjpeg|op OUTDIR [--device cuda|cpu] [--pack]" >&2
+    echo "usage: scripts/run_gpu.sh correctness|figures|all|nvjpeg|op OUTDIR [--device cuda|cpu] [--pack]" >&2
     exit 2
 fi
 mkdir -p "$out/$part" && out=$(cd "$out" && pwd) || exit 2
@@ -125,14 +125,14 @@ if [[ $part == nvjpeg ]]; then  # the two nvJPEG paths: same batches (the tests)
     "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT:-60}")
     stage nvj-tests "${LIMIT_NVJPEG_TESTS:-60}" "$PYTHON" -m pytest tests/test_gpu.py -k nvjpeg -p no:cacheprovider -v \
         --tb=short -ra "${per_test[@]}" --junitxml="$raw/nvjpeg-tests.xml"
-    common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress --data "$data/train" "${images[@]}"
-            --batch-size "$batch")
+    common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress --data "$data/train" "${images[@]}")
     stage nvj-loaders "${LIMIT_LOADER:-60}" "${bench[@]}" loader "${common[@]}" --loaders nvjpeg,nvjpeg-pipelined \
-        --image-size "$size" --tag nvjpeg
+        --batch-size "$batch" --image-size "$size" --tag nvjpeg
+    run=(--set "model.name=$model" --set "data.image_size=$size" --set "data.batch_size=$batch")
     # the new path first (its profile written after its figures), then the old one again on this machine
-    stage nvj-e2e-new "${LIMIT_E2E:-80}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg-pipelined \
-        --model "$model@$size" --no-naive --profile-batches "$profile" --tag nvjpeg-pipelined
-    stage nvj-e2e-old "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg --model "$model@$size" \
+    stage nvj-e2e-new "${LIMIT_E2E:-80}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg-pipelined "${run[@]}" \
+        --no-naive --profile-batches "$profile" --tag nvjpeg-pipelined
+    stage nvj-e2e-old "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg "${run[@]}" \
         --no-naive --tag nvjpeg-per-image
     exit 0
 fi
@@ -158,10 +158,12 @@ fi
 
 stage op "${LIMIT_OP:-50}" "${bench[@]}" op "${common[@]}" --batch-size "$batch" --image-size "$size" --dtype bfloat16 \
     --step-model "$model" "${op_extra[@]}"
-stage step "${LIMIT_STEP:-120}" "${bench[@]}" step "${common[@]}" --batch-size "$batch" --models "$step_models" "${step_extra[@]}"
+stage step "${LIMIT_STEP:-120}" "${bench[@]}" step "${common[@]}" --set "data.batch_size=$batch" --models "$step_models" \
+    "${step_extra[@]}"
 for loader in nvjpeg ffcv; do
     stage "e2e-$loader" "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --data "$data/train" "${images[@]}" --loader "$loader" \
-        --model "$model@$size" --batch-size "$batch" --profile-batches "$profile" --tag "$loader"
+        --set "model.name=$model" --set "data.image_size=$size" --set "data.batch_size=$batch" --profile-batches "$profile" \
+        --tag "$loader"
 done
 stage loader "${LIMIT_LOADER:-130}" "${bench[@]}" loader "${common[@]}" --data "$data/train" "${images[@]}" \
     --loaders nvjpeg,torchvision,ffcv --batch-size "$batch" --image-size "$size" --repetitions 3

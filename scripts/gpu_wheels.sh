@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the wheel directory (default data/wheels; data/ is git-ignored) that travels to the offline GPU
 # machine (CPython 3.12, x86_64, glibc >= 2.35, no network, no system libturbojpeg/libopencv), where the
-# GPU run of benchmarks/run_gpu.sh installs from it:
+# GPU run of scripts/run_gpu.sh installs from it:
 #
 #   $PYTHON -m pip install --no-index --find-links DIR --no-deps \
 #       ffcv assertpy fastargs terminaltables relplot imagecorruptions-imaug deprecation
@@ -19,7 +19,7 @@
 # may well be missing on a headless machine, so it is vendored too. Only glibc, libstdc++, libgcc_s and
 # libz are taken from the target.
 #
-# Usage: benchmarks/gpu_wheels.sh [DIR]     (PY312=/path/to/python3.12 to choose the interpreter)
+# Usage: scripts/gpu_wheels.sh [DIR]     (PY312=/path/to/python3.12 to choose the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-data/wheels}
