@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# One GPU window that cannot be wasted (issue 37): every measurement a lent machine owes us, in one run under a
+# deadline, the most valuable first, each stage archived into OUTDIR the moment it ends.
+#
+#   scripts/gpu_window.sh OUTDIR                  # on the lent machine: the whole window (deadline 560 s)
+#   scripts/gpu_window.sh OUTDIR --plan           # here, at no device time: the stages, their predicted seconds,
+#                                                 # which would run before the deadline and what each needs
+#   scripts/gpu_window.sh OUTDIR --device cpu     # the rehearsal (tests/test_gpu_window.py, in `make test`): every
+#                                                 # stage at tiny size on the CPU, the GPU tests under FASTANCHOR_TEST_DEVICE=cpu
+#
+# Options: --deadline SECONDS (default 560: a 600 s call less start-up and transfers), --device cuda|cpu, --plan.
+#
+# The stages, in order of value (what the GPU issue asks first): the GPU test set with a junit report; end to end
+# with the nvJPEG and the FFCV loader; the training step eager and compiled; the op's kernel variants; the loaders
+# on all cores. Before each stage its predicted seconds (PREDICTED below, from the last window's stages file,
+# results/gpu/stages-*.txt) are held against what is left: a stage that would not finish is skipped and says so,
+# and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit status,
+# seconds, or why it was skipped); OUTDIR/window.tar.gz holds everything so far and is rewritten after each stage,
+# so a window cut short still returns what it finished (a lent machine returns at most 8 files: OUTDIR/window.log
+# and the archive).
+#
+# Nothing is built by hand first: fastanchor runs from the checkout (a link named fastanchor on PYTHONPATH where
+# the machine's Python cannot import it), and the only thing the GPU image lacks, FFCV, is installed from the
+# wheels scripts/gpu_wheels.sh writes into data/wheels when they travel along (`carry: ["data/wheels"]`); without
+# them the FFCV stage is skipped and says why. The result files go into OUTDIR; publish them into results/ and run
+# `fastanchor docs`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+out=${1:-}
+[[ $# -gt 0 ]] && shift
+device=cuda deadline=560 plan=0
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --device) device=${2:-}; shift 2 ;;
+        --deadline) deadline=${2:-}; shift 2 ;;
+        --plan) plan=1; shift ;;
+        *) echo "gpu_window.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+if [[ -z $out || ($device != cuda && $device != cpu) || ! $deadline =~ ^[0-9]+$ ]]; then
+    echo "usage: scripts/gpu_window.sh OUTDIR [--device cuda|cpu] [--deadline SECONDS] [--plan]" >&2
+    exit 2
+fi
+
+# name: predicted seconds on the GPU (results/gpu/stages-h200-2026-11-26.txt, limits that stopped a stage raised
+# to what it needs) and in the CPU rehearsal; the order is the order of value
+STAGES=(gpu-tests e2e-nvjpeg e2e-ffcv step step-compiled op loaders)
+declare -A PREDICTED_CUDA=([data]=20 [gpu-tests]=150 [e2e-nvjpeg]=90 [e2e-ffcv]=90 [step]=85 [step-compiled]=120
+                           [op]=25 [loaders]=100)
+declare -A PREDICTED_CPU=([data]=10 [gpu-tests]=60 [e2e-nvjpeg]=30 [e2e-ffcv]=40 [step]=20 [step-compiled]=60
+                          [op]=20 [loaders]=30)
+predicted() { if [[ $device == cuda ]]; then echo "${PREDICTED_CUDA[$1]}"; else echo "${PREDICTED_CPU[$1]}"; fi; }
+
+WHEELS=${WHEELS:-data/wheels}
+PYTHON=$(command -v "${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}")
+ffcv_wheel=$(compgen -G "$WHEELS/ffcv-*.whl" | head -1)
+needs_of() {  # what a stage needs that may be missing, or nothing
+    case $1 in
+        e2e-ffcv) "$PYTHON" -c "import ffcv" 2>/dev/null || [[ -n $ffcv_wheel ]] ||
+                      echo "FFCV: no ffcv importable and no wheel in $WHEELS (scripts/gpu_wheels.sh writes it; carry it)" ;;
+    esac
+}
+
+if [[ $plan == 1 ]]; then
+    echo "window on $device, deadline ${deadline}s; stages in order of value (predicted seconds, cumulative):"
+    total=$(predicted data)
+    for name in "${STAGES[@]}"; do
+        total=$((total + $(predicted "$name")))
+        missing=$(needs_of "$name")
+        if [[ -n $missing ]]; then verdict="skipped: $missing"
+        elif ((total > deadline)); then verdict="skipped unless earlier stages finish early"
+        else verdict="runs"; fi
+        printf '  %-14s %4ds  %4ds  %s\n' "$name" "$(predicted "$name")" "$total" "$verdict"
+    done
+    exit 0
+fi
+
+mkdir -p "$out/window" && out=$(cd "$out" && pwd) || exit 2
+raw=$out/window
+exec > >(tee "$out/window.log") 2>&1
+: >"$raw/stages.txt"
+
+archive() { tar -czf "$out/.window.tar.gz" -C "$out" window window.log 2>/dev/null && mv "$out/.window.tar.gz" "$out/window.tar.gz"; }
+finish() { echo "== $(date -u +%FT%TZ) window done after ${SECONDS}s; stages:"; cat "$raw/stages.txt"; archive; }
+trap finish EXIT
+
+# stage NAME COMMAND...: skipped when it is predicted not to finish before the deadline or lacks what it needs;
+# else run, stopped at the deadline; its line recorded and the archive rewritten either way
+stage() {
+    local name=$1 started=$SECONDS left=$((deadline - SECONDS)) want missing
+    shift
+    want=$(predicted "$name") missing=$(needs_of "$name")
+    if [[ -n $missing ]]; then
+        printf '%-14s skipped  %s\n' "$name" "$missing" >>"$raw/stages.txt"
+    elif ((want > left)); then
+        printf '%-14s skipped  predicted %ds, %ds left before the deadline\n' "$name" "$want" "$left" >>"$raw/stages.txt"
+    else
+        echo "== $(date -u +%FT%TZ) $name (predicted ${want}s, ${left}s left): $*"
+        timeout --kill-after=5 "$left" "$@"
+        printf '%-14s exit %3d  %4ds (predicted %ds)\n' "$name" "$?" $((SECONDS - started)) "$want" >>"$raw/stages.txt"
+    fi
+    archive
+}
+
+# --- fastanchor from the checkout, FFCV from the carried wheels: nothing built by hand on the machine ---------
+if ! "$PYTHON" -c "import fastanchor" 2>/dev/null; then
+    link=$(mktemp -d /tmp/fastanchor-path.XXXXXX)
+    ln -s "$PWD" "$link/fastanchor"
+    export PYTHONPATH=$link${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [[ -n $ffcv_wheel ]] && ! "$PYTHON" -c "import ffcv" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/fastanchor-wheels "$WHEELS"/*.whl &&
+        export PYTHONPATH=$PYTHONPATH:/tmp/fastanchor-wheels
+fi
+export FASTANCHOR_TEST_DEVICE=$device
+{
+    date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; uname -a; nproc
+    command -v nvidia-smi >/dev/null && nvidia-smi
+    "$PYTHON" - <<'PY'
+import importlib, sys
+print("python", sys.version.split()[0], sys.executable)
+for name in ("fastanchor", "torch", "torchvision", "timm", "triton", "numba", "numpy", "cv2", "ffcv", "PIL"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name:12s} {getattr(module, '__version__', 'ok')} {getattr(module, '__file__', '')}")
+    except Exception as error:  # noqa: BLE001
+        print(f"{name:12s} missing ({type(error).__name__}: {error})")
+import torch
+print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())
+PY
+} >"$raw/environment.txt" 2>&1
+cat "$raw/environment.txt"
+
+fa=("$PYTHON" -m fastanchor)
+data=/tmp/fastanchor-window-$device/imagenet_shaped
+common=(--device "$device" --out "$raw" --no-progress)
+if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, channels-last, batch 256
+    data_size=(--num-classes 1000 --images-per-class 5) images=(--images 4096) reps=(--repetitions 5)
+    run=(--set model.name=resnet50 --set data.image_size=176 --set data.batch_size=256 --set train.amp=bf16)
+    step_run=(--set data.batch_size=256 --models resnet50@176) op_shape=(--batch-size 256 --image-size 176)
+    loader_shape=(--batch-size 256 --image-size 176) tests=(tests/test_gpu.py tests/test_anchor_triton.py
+        tests/test_reference_bank.py tests/test_pseudo_ood.py tests/test_nvjpeg_loader.py)
+else  # the rehearsal: the same stages, tiny
+    data_size=(--num-classes 8 --images-per-class 4) images=(--images 32) reps=(--repetitions 1 --warmup-rounds 0)
+    run=(--set model.name=fastanchor_resnet_tiny --set data.image_size=32 --set data.batch_size=8)
+    step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2) op_shape=(--batch-size 8 --image-size 32)
+    loader_shape=(--batch-size 8 --image-size 32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
+fi
+
+# the JPEGs are written on the CPUs while the GPU runs its tests
+"${fa[@]}" bench data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress >"$raw/data.log" 2>&1 &
+writing=$!
+stage gpu-tests "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -q --tb=short -ra --durations=15 \
+    --timeout 60 --junitxml="$raw/gpu-tests.xml"
+wait "$writing" || echo "== writing the JPEGs failed: $raw/data.log"
+# (the rehearsal's "nvjpeg" stage runs the torchvision loader: nvJPEG decodes on a GPU only)
+stage e2e-nvjpeg "${fa[@]}" bench e2e "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" --loader \
+    "$([[ $device == cuda ]] && echo nvjpeg-pipelined || echo torchvision)" "${run[@]}" --tag window-nvjpeg
+stage e2e-ffcv "${fa[@]}" bench e2e "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" --loader ffcv \
+    "${run[@]}" --tag window-ffcv
+stage step "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --tag window-eager
+stage step-compiled "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --set train.compile=true \
+    --tag window-compiled
+stage op "${fa[@]}" bench op "${common[@]}" "${reps[@]}" "${op_shape[@]}" --step-model none --tag window
+stage loaders "${fa[@]}" bench loader "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" \
+    --loaders torchvision,ffcv"$([[ $device == cuda ]] && echo ,nvjpeg,nvjpeg-pipelined)" "${loader_shape[@]}" \
+    --workers "$(nproc)" --tag window

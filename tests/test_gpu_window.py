@@ -1,0 +1,72 @@
+"""The GPU window's script (scripts/gpu_window.sh), rehearsed here so that a lent machine's 15 minutes are never
+spent finding out it does not run: every stage at tiny size on the CPU, from the checkout alone, archived as it
+ends; and the deadline rule, which skips a stage predicted not to finish."""
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_window.sh"
+STAGES = ["gpu-tests", "e2e-nvjpeg", "e2e-ffcv", "step", "step-compiled", "op", "loaders"]
+RESULTS = {"e2e-nvjpeg": "e2e-cpu-window-nvjpeg.json", "e2e-ffcv": "e2e-cpu-window-ffcv.json",
+           "step": "step-cpu-window-eager.json", "step-compiled": "step-cpu-window-compiled.json",
+           "op": "op-cpu-window.json", "loaders": "loader-cpu-window.json"}
+
+
+def window(out: Path, *args: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHON": sys.executable, "WHEELS": str(out / "no-wheels")}
+    return subprocess.run(["bash", str(SCRIPT), str(out), "--device", "cpu", *args], capture_output=True, text=True,
+                          env=environment, timeout=900)
+
+
+def stage_lines(out: Path) -> dict[str, str]:
+    lines = (out / "window" / "stages.txt").read_text().splitlines()
+    return {line.split()[0]: line for line in lines}
+
+
+@pytest.mark.slow
+@pytest.mark.first
+def test_the_whole_window_rehearses_on_the_cpu(tmp_path):
+    result = window(tmp_path, "--deadline", "500")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = stage_lines(tmp_path)
+    assert list(lines) == STAGES, lines  # every stage, in the order of value
+    assert all(re.match(rf"{name}\s+exit\s+0\s", lines[name]) for name in STAGES), lines
+    report = (tmp_path / "window" / "gpu-tests.xml").read_text()
+    assert re.search(r'tests="[1-9]', report) and 'failures="0"' in report and 'errors="0"' in report
+    for name, file in RESULTS.items():
+        assert (tmp_path / "window" / file).is_file(), (name, file)
+    with tarfile.open(tmp_path / "window.tar.gz") as archive:  # everything, in the one file a lent machine returns
+        names = set(archive.getnames())
+    assert {f"window/{file}" for file in RESULTS.values()} | {"window/stages.txt", "window/gpu-tests.xml",
+                                                              "window/environment.txt", "window.log"} <= names
+
+
+def test_a_stage_predicted_past_the_deadline_is_skipped_and_says_why(tmp_path):
+    result = window(tmp_path, "--deadline", "25")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = stage_lines(tmp_path)
+    assert list(lines) == STAGES
+    assert re.match(r"gpu-tests\s+skipped\s+predicted 60s, \d+s left before the deadline", lines["gpu-tests"]), lines
+    assert all("skipped" in line for line in lines.values())  # nothing was started that could not finish
+    assert tarfile.is_tarfile(tmp_path / "window.tar.gz")
+
+
+def test_the_plan_is_read_before_any_device_time_is_spent(tmp_path):
+    plan = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--plan"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none")}, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    rows = {line.split()[0]: line for line in plan.stdout.splitlines()[1:]}
+    assert list(rows) == STAGES
+    assert "runs" in rows["gpu-tests"] and "skipped unless earlier stages finish early" in rows["loaders"]
+    if subprocess.run([sys.executable, "-c", "import ffcv"], capture_output=True).returncode != 0:
+        assert "skipped: FFCV" in rows["e2e-ffcv"]
+    assert not (tmp_path / "window").exists()  # the plan runs nothing
+    bad = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--deadline", "soon"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: scripts/gpu_window.sh")
