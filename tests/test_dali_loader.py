@@ -98,10 +98,12 @@ def test_eval_decoding_agrees_with_torchvision(indexes):
         assert (images - reference.roll(1, 0)).abs().mean() > 20  # another image: far away
 
 
-def test_eval_geometry_and_modes_match_torchvision_on_odd_images(indexes, tmp_path):
+def test_eval_geometry_and_modes_match_torchvision_on_odd_images(indexes, tmp_path, capsys):
     """Non-square images (the resize rounds the longer side, the crop centres it), grayscale and
-    CMYK JPEGs, palette and RGBA PNGs: every mode becomes RGB as in load_rgb. Measured: mean 0.1
-    to 0.2 per image, max 1 (3 for the palette PNG at 32 px / 1.0, a downscale of 97 x 71)."""
+    CMYK JPEGs, palette and RGBA PNGs, and a PNG named .JPEG (ImageNet-1k's n02105855_2933.JPEG): every
+    mode becomes RGB as in load_rgb, every file is read by its content, and the mislabelled one is
+    counted in the index and reported once. Measured: mean 0.1 to 0.2 per image, max 1 (3 for the
+    palette PNG at 32 px / 1.0, a downscale of 97 x 71)."""
     _, val = indexes
     base = Image.open(val.samples[0][0]).convert("RGB").resize((97, 71))
     (tmp_path / "a").mkdir()
@@ -112,7 +114,13 @@ def test_eval_geometry_and_modes_match_torchvision_on_odd_images(indexes, tmp_pa
     base.convert("CMYK").save(tmp_path / "b" / "cmyk.jpg")
     base.convert("P").save(tmp_path / "b" / "palette.png")
     base.convert("RGBA").save(tmp_path / "b" / "rgba.png")
+    base.save(tmp_path / "b" / "n02105855_2933.JPEG", format="PNG")
     index = scan_image_folder(tmp_path)
+    assert index.mislabelled == (str(tmp_path / "b" / "n02105855_2933.JPEG"),)
+    scan_image_folder(tmp_path)  # the same tree again: not reported twice
+    reported = capsys.readouterr().err.splitlines()
+    assert reported == [f"{tmp_path}: 1 image file(s) hold another format than their name says (e.g. "
+                        f"'{tmp_path / 'b' / 'n02105855_2933.JPEG'}' is PNG data): decoded by their content"]
     for size, crop_ratio in ((SIZE, 0.875), (SIZE, 1.0), (20, 0.6)):
         images = torch.cat([images for images, _ in eval_loader(index, image_size=size, crop_ratio=crop_ratio)]).float()
         difference = (images - torchvision_eval(index, size, crop_ratio)).abs()
@@ -341,3 +349,20 @@ def test_trainer_and_evaluation_on_dali_by_one_config_key(tiny_dataset, tmp_path
     assert set(result["corruptions"]) == {"contrast@3"}
     assert all(0.0 <= v <= 1.0 for v in result["ood"]["auroc"].values())
     assert ("val", False) in built[2:]  # clean evaluation decodes through DALI too
+
+
+@pytest.mark.parametrize("loader", ["torchvision", "dali"])
+def test_training_starts_on_a_tree_with_a_png_named_jpeg(tiny_dataset, tmp_path, loader):
+    """ImageNet-1k's train/n02105855/n02105855_2933.JPEG is PNG data: training reads it by its content, as PIL and
+    torchvision's ImageFolder do, instead of stopping at start-up."""
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(tiny_dataset, root)
+    victim = sorted((root / "train").rglob("*.jpg"))[0]
+    Image.open(victim).convert("RGB").save(victim.with_suffix(".JPEG"), format="PNG")
+    victim.unlink()
+    result = run_main("train", *tiny_overrides(root, tmp_path / "runs", **{
+        "data.dataset": "folder", "data.loader": loader, "train.max_steps": 2, "train.run_name": loader}))
+    assert result.returncode == 0, result.stderr
+    assert "1 image file(s) hold another format than their name says" in result.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ class ImageFolderIndex:
     root: Path
     classes: tuple[str, ...]
     samples: tuple[tuple[str, int], ...]  # (path, class index), sorted
+    mislabelled: tuple[str, ...] = ()  # images whose content is another format than their name says (read by content)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -66,18 +69,37 @@ def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None,
     unknown = [c for c in found if c not in classes]
     if unknown:
         raise DataError(f"'{root}' has class folders not in the training classes: {', '.join(unknown[:5])}")
-    samples = []
+    samples, mislabelled = [], []
     for index, name in enumerate(classes):
         folder = root / name
         if not folder.is_dir():
             continue
         for path in class_files(folder):
-            samples.append((str(check_image_file(path)), index))
+            if check_image_file(path) != path.suffix.lower():
+                mislabelled.append(str(path))
+            samples.append((str(path), index))
     if not samples:
         raise DataError(f"data directory '{root}' has class folders but no images")
     if defines_classes and not allow_empty_classes:
         check_no_empty_classes(root, classes, {label for _, label in samples})
-    return ImageFolderIndex(root, classes, tuple(samples))
+    if mislabelled:
+        report_mislabelled(root, mislabelled)
+    return ImageFolderIndex(root, classes, tuple(samples), tuple(mislabelled))
+
+
+_REPORTED: set[Path] = set()
+
+
+def report_mislabelled(root: Path, paths: list[str]) -> None:
+    """One line per tree and process (the main one under torchrun): the files read by their content, not their name
+    (ImageNet-1k's train/n02105855/n02105855_2933.JPEG is PNG data; PIL, torchvision's ImageFolder and DALI decode
+    such a file by its content, and so does every fastanchor loader)."""
+    if root in _REPORTED or os.environ.get("RANK", "0") != "0":
+        return
+    _REPORTED.add(root)
+    first = Path(paths[0])
+    print(f"{root}: {len(paths)} image file(s) hold another format than their name says (e.g. '{first}' is "
+          f"{content_format(first)[1:].upper()} data): decoded by their content", file=sys.stderr, flush=True)
 
 
 def check_no_empty_classes(root: Path, classes: tuple[str, ...], labels: set[int]) -> None:
@@ -95,17 +117,25 @@ def class_files(folder: Path) -> list[Path]:
             if not path.is_dir() and path.name not in IGNORED_FILES and not path.name.startswith(".")]
 
 
-def check_image_file(path: Path) -> Path:
-    """Cheap check (extension and magic bytes) that `path` is an image file."""
+def content_format(path: Path) -> str | None:
+    """The image format a file's first bytes say it is, as the extension that names it ('.png'), or None."""
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+    return next((suffix for suffix, magics in _MAGIC.items() if any(head.startswith(m) for m in magics)), None)
+
+
+def check_image_file(path: Path) -> str:
+    """Cheap check (extension and magic bytes) that `path` is an image file; returns the format its content has (its
+    own extension's, or another image format's: a mislabelled file is read by content, as PIL reads it)."""
     suffix = path.suffix.lower()
     if suffix not in IMAGE_EXTENSIONS:
         raise DataError(f"non-image file '{path}' among the images: expected only {', '.join(IMAGE_EXTENSIONS)} files")
-    with open(path, "rb") as handle:
-        head = handle.read(12)
-    if not any(head.startswith(magic) for magic in _MAGIC[suffix]):
-        what = "empty" if not head else "not a valid image"
+    found = content_format(path)
+    if found is None:
+        what = "empty" if path.stat().st_size == 0 else "not a valid image"
         raise DataError(f"image file '{path}' is {what}: expected {suffix[1:].upper()} data")
-    return path
+    same = {".jpg": ".jpeg", ".jpeg": ".jpg", ".tif": ".tiff", ".tiff": ".tif"}
+    return suffix if found in (suffix, same.get(suffix)) else found
 
 
 def load_rgb(path: str) -> Image.Image:
