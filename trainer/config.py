@@ -144,6 +144,9 @@ class TrainConfig:
     log_interval: int = option(20, "steps between metric lines in metrics.jsonl (and between nan/inf checks of the loss)")
     progress: bool = option(True, "show progress with images/s: bars on a terminal, plain lines in a file or a pipe")
     tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (needs the tensorboard extra)")
+    csv: bool = option(False, "also write epochs.csv into the run directory: one row per epoch (loss, validation, images/s)")
+    wandb: str = option("", "also log to this Weights & Biases project ('' off; the wandb extra; WANDB_MODE=offline works)")
+    mlflow: str = option("", "also log to this MLflow tracking URI, e.g. http://host:5000 ('' off; the mlflow extra)")
     checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch)")
     keep_checkpoints: int = option(10, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
     nonfinite: str = option("stop", "on a nan/inf loss: stop the run naming the step, or skip that step's update", choices=("stop", "skip"))
@@ -475,6 +478,9 @@ def _check_known(config: Config) -> None:
     named evaluation sets. Imported late: timm and torch are slow to import, and `--help` needs neither."""
     _check(not config.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
            "train.tensorboard = true needs the tensorboard package: pip install 'fastanchor[tensorboard]'")
+    for sink in ("wandb", "mlflow"):
+        _check(not getattr(config.train, sink) or importlib.util.find_spec(sink) is not None,
+               f"train.{sink} = {getattr(config.train, sink)!r} needs the {sink} package: pip install 'fastanchor[{sink}]'")
     from fastanchor.trainer.models import check_blurpool, check_model_name
 
     check_model_name(config.model.name)

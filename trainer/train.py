@@ -118,7 +118,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     run.step.wrap(ddp=processes.several, compile=t.compile, device=device)
     if processes.main:  # only rank 0 writes
         prepare_run_folder(folder, config, run, point, at)
-    log = MetricsLog(folder, resumed_at=at.step if point else None, tensorboard=t.tensorboard, enabled=processes.main)
+    log = MetricsLog(folder, resumed_at=at.step if point else None, tensorboard=t.tensorboard, enabled=processes.main,
+                     csv=t.csv, wandb=t.wandb, mlflow=t.mlflow, config=config.to_dict())
     if point is not None:
         restore_rng(point.state["ranks"][processes.rank]["rng"], device)
 

@@ -110,31 +110,44 @@ class RunFolder:
 
 
 class MetricsLog:
-    """metrics.jsonl (and TensorBoard events with `tensorboard`) of a training run, every line with its "time"; a
-    resumed run from `step` drops what an interrupted attempt logged after it and appends. `enabled` False
-    (ranks > 0): logs nothing."""
+    """metrics.jsonl of a training run, every line with its "time", and the sinks asked for beside it (TensorBoard
+    events, epochs.csv, W&B, MLflow: trainer/sinks.py); a resumed run from `step` drops what an interrupted attempt
+    logged after it and appends. `enabled` False (ranks > 0): logs nothing."""
 
-    def __init__(self, folder: RunFolder, *, resumed_at: int | None, tensorboard: bool, enabled: bool = True):
-        self.file, self.events = None, None
+    def __init__(self, folder: RunFolder, *, resumed_at: int | None, tensorboard: bool, enabled: bool = True,
+                 csv: bool = False, wandb: str = "", mlflow: str = "", config: dict | None = None):
+        self.file, self.sinks = None, []
         if not enabled:
             return
         if resumed_at is not None:
             folder.keep_metrics_until(resumed_at)
+        earlier = [json.loads(line) for line in folder.metrics.read_text().splitlines()] \
+            if resumed_at is not None and folder.metrics.is_file() else []
         self.file = open(folder.metrics, "a" if resumed_at is not None else "w")
         if tensorboard:
             from fastanchor.trainer.tensorboard_log import EventLog  # tensorboard is optional
 
-            self.events = EventLog(folder.root, first_step=(resumed_at or 0) + 1)
+            self.sinks.append(EventLog(folder.root, first_step=(resumed_at or 0) + 1))
+        from fastanchor.trainer import sinks
+
+        if csv:
+            self.sinks.append(sinks.EpochCsv(folder.root / "epochs.csv", earlier))
+        if wandb:
+            self.sinks.append(sinks.WandbRun(wandb, folder.root, config or {}))
+        if mlflow:
+            self.sinks.append(sinks.MlflowRun(mlflow, folder.root, config or {}))
 
     def __call__(self, record: dict) -> None:
-        if self.file is not None:  # each line stamped with when it was written (UTC, ISO 8601)
-            self.file.write(json.dumps({**record, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n")
-            self.file.flush()
-        if self.events is not None:
-            self.events.log(record)
+        if self.file is None:
+            return
+        record = {**record, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # when it was written
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        for sink in self.sinks:
+            sink.log(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        if self.events is not None:
-            self.events.close()
+        for sink in self.sinks:
+            sink.close()
