@@ -157,7 +157,7 @@ data.ffcv_jpeg_quality and data.ffcv_max_resolution)."""
     images: int = option(0, "use this many images of the tree, drawn with the seed (0: all)")
     workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
     warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
-    ffcv_cache: str = option("", "directory of the .beton written from the images (default: <data>/../ffcv)")
+    ffcv_cache: str = option("", "directory of the .beton written from the images ('': <data>/../ffcv)")
 
     def checks(self):
         return super().checks() + [

@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 from PIL import Image
 
 from conftest import run_main
+from fastanchor.benchmarks.cli import BENCHMARKS
 from fastanchor.cli import docs as docs_blocks
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
@@ -634,3 +636,77 @@ def test_a_case_whose_repetitions_spread_is_named_in_one_line_and_in_the_result(
     validate_result(written)
     assert written["warnings"] == result["warnings"]
     assert f"- warning: {result['warnings'][0]}" in paths["md"].read_text()
+
+
+# --- every benchmark's --help --------------------------------------------------------------------------------------
+
+def options_read(target: str) -> set[str]:
+    """Attribute names read off `options` (or off `self` in the options classes' methods, their checks left out) in the
+    benchmark's module and every fastanchor.benchmarks module it imports, transitively."""
+    import ast
+
+    todo, seen, read = [target.split(":")[0]], set(), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or not (REPO / "benchmarks" / f"{name}.py").exists():
+            continue
+        seen.add(name)
+        tree = ast.parse((REPO / "benchmarks" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fastanchor.benchmarks"):
+                todo += [node.module.rsplit(".", 1)[1]] if node.module != "fastanchor.benchmarks" else \
+                    [alias.name for alias in node.names]
+        checks = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "checks"
+                  for n in ast.walk(f)}
+        read |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and id(node) not in checks
+                 and isinstance(node.value, ast.Name) and node.value.id in ("options", "self")}
+    return read
+
+
+def help_options(text: str) -> dict[str, str]:
+    """`--flag` -> its help text (wrapped lines joined) of an argparse --help."""
+    found, current = {}, None
+    for line in text.splitlines():
+        start = re.match(r"^  (-{1,2}[\w-]+)", line)
+        if start:
+            current = start.group(1)
+            found[current] = line
+        elif current and line.startswith("      "):
+            found[current] += " " + line.strip()
+        else:
+            current = None
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"fidelity"}))  # fidelity: an accuracy sweep, leaving for reproduce/
+def test_every_benchmark_help_shows_only_options_it_reads_with_the_defaults_it_uses(name):
+    """`fastanchor bench WHAT --help`, parsed: every option is a field of the benchmark's options class that the benchmark
+    reads (`options.<field>` in its modules, checks aside), each field is shown, and each shown default is the field's."""
+    import dataclasses
+
+    from fastanchor.cli import build_parser
+
+    bench_parser = build_parser()._subparsers._group_actions[0].choices["bench"]
+    text = bench_parser._subparsers._group_actions[0].choices[name].format_help()
+    shown = help_options(text)
+    cls, target, _ = BENCHMARKS[name]
+    fields = {}
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            fields[flag if isinstance(flag, str) else flag[0]] = f
+    read = options_read(target)
+    assert set(shown) - {"-h"} == set(fields), f"bench {name} --help lists {sorted(shown)}, its options {sorted(fields)}"
+    problems = []
+    for flag, f in fields.items():
+        if f.name not in read:
+            problems.append(f"{flag}: shown by --help, never read by the benchmark")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        found = re.search(r"\(default: (.*?)\)$", shown[flag])
+        if default in ("", None, []) or f.metadata.get("required"):
+            if found:
+                problems.append(f"{flag}: a default shown where there is none")
+        elif found or f.type not in (bool, "bool"):  # argparse shows a --x/--no-x default only where its help asks
+            if not found or found.group(1).replace(" ", "") != str(default).replace(" ", ""):  # wrapped anywhere
+                problems.append(f"{flag}: {shown[flag]!r}, default {default!r}")
+    assert not problems, f"bench {name}: {problems}"
