@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import torch
 
-from fastanchor.benchmarks.harness import Case, Derived, case_record, derived_record, run_interleaved
+from fastanchor.benchmarks.harness import Case, Derived, case_record, derived_record, run_interleaved, spread_warnings
 from fastanchor.benchmarks.options import CommonOptions
 from fastanchor.benchmarks.results import build_result, environment, markdown, write_result
 
@@ -34,7 +35,8 @@ def run_settings(config) -> dict:
 def run_and_write(benchmark: str, options: CommonOptions, *, cases: list[Case], derived: list[Derived],
                   device: torch.device, command: str, notes: list[str] = (), config_extra: dict | None = None,
                   config=None, tag: str | None = None):
-    """Measure `cases` interleaved, write the result files under --out (and --record), print the table; return
+    """Measure `cases` interleaved, write the result files under --out (and --record), print the table and a warning line
+    for each case whose repetitions spread more than harness.SPREAD_LIMIT; return
     (result, paths under --out). `config`: the training Config measured (recorded as it ran); `tag`: the file-name
     suffix (default --tag)."""
     names = [case.name for case in cases]
@@ -48,10 +50,12 @@ def run_and_write(benchmark: str, options: CommonOptions, *, cases: list[Case], 
     result = build_result(
         benchmark, command=command, config=settings, env=environment(device), cases=records,
         derived=[derived_record(d, by_name) for d in derived], schedule=schedule, repetitions=options.repetitions,
-        warmup_rounds=options.warmup_rounds, notes=list(notes))
+        warmup_rounds=options.warmup_rounds, notes=list(notes), warnings=spread_warnings(records))
     tag = options.tag if tag is None else tag
     paths = write_result(result, Path(options.out), tag)
     print(markdown(result))
+    for line in result["warnings"]:
+        print(f"warning: {line}", file=sys.stderr)
     print(f"written: {paths['json']}, {paths['md'].name}, {paths['png'].name}")
     if options.record:
         kept = write_result(result, Path(options.record), tag)

@@ -1,6 +1,7 @@
 """Side-by-side measurement: every case of a benchmark runs in the same process, interleaved round
 by round (A B C, A B C, ...), after warm-up rounds that are not recorded. Each repetition is kept;
-a case's figure is the median of its repetitions, with the min and max as its spread.
+a case's figure is the median of its repetitions, with the min and max as its spread; a case whose
+max is more than SPREAD_LIMIT times its min is named in a warning (printed, and kept in the result).
 
 A case is a callable doing one repetition and returning a `Measurement` (what it processed and how
 long it took); its value is `scale * items / seconds` in its unit (images/s, GB/s, ...). A ratio
@@ -22,6 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.progress import progress_bar
+
+SPREAD_LIMIT = 1.5  # max / min of a case's repetitions above which its median is called unsteady
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,13 @@ def case_record(case: Case, measurements: list[Measurement] | None) -> dict:
         "rel_spread": (max(values) - min(values)) / median if median else None,
         **case.info,
     }
+
+
+def spread_warnings(cases: list[dict], limit: float = SPREAD_LIMIT) -> list[str]:
+    """One line for each measured case (a `case_record`) whose repetitions spread more than `limit` (max over min)."""
+    return [f"case {case['name']!r}: repetitions spread {case['max'] / case['min']:.2f}x (min {case['min']:.4g}, "
+            f"max {case['max']:.4g} {case['unit']}), more than {limit}x: its median is unsteady"
+            for case in cases if case["status"] == "ok" and case["min"] > 0 and case["max"] / case["min"] > limit]
 
 
 def derived_record(derived: Derived, cases: dict[str, dict]) -> dict:

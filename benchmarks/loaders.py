@@ -210,9 +210,9 @@ def decode_limit_case(name: str, blobs: Callable[[], list[bytes]], *, image_size
 # --------------------------------------------------------------------------------------------
 
 def make_request(options: ImageDataOptions, device: torch.device, *, batch_size: int, image_size: int,
-                 recipe: Config | None = None) -> LoaderRequest:
-    """What every loader of a benchmark is built from: the same images, sizes, workers and seed (and the `recipe`'s
-    data and augmentation settings, its min_scale included, where one is given)."""
+                 recipe: Config) -> LoaderRequest:
+    """What every loader of a benchmark is built from: the same images, sizes, workers and seed, and the `recipe`'s
+    data and augmentation settings (min_scale, crop, flip, policy, FFCV order and .beton settings)."""
     workers = options.workers or usable_cpus()
     index = subset_index(scan_image_folder(options.data), options.images, options.seed)
     if len(index) < batch_size * (options.warmup_batches + 1):
@@ -223,13 +223,12 @@ def make_request(options: ImageDataOptions, device: torch.device, *, batch_size:
     def beton() -> Path:
         if not written:
             cache = Path(options.ffcv_cache) if options.ffcv_cache else index.root.parent / "ffcv"
-            written.append(bench_beton(index, cache, quality=options.ffcv_jpeg_quality,
-                                       max_resolution=options.ffcv_max_resolution, workers=workers,
+            written.append(bench_beton(index, cache, quality=recipe.data.ffcv_jpeg_quality,
+                                       max_resolution=recipe.data.ffcv_max_resolution, workers=workers,
                                        progress=options.progress))
         return written[0]
 
-    min_scale = recipe.data.min_scale if recipe is not None else options.min_scale
-    return LoaderRequest(index, batch_size, image_size, min_scale, workers, device, options.seed, beton, recipe)
+    return LoaderRequest(index, batch_size, image_size, recipe.data.min_scale, workers, device, options.seed, beton, recipe)
 
 
 def check_loader_names(names: list[str]) -> None:
@@ -300,21 +299,33 @@ def loader_cases(names: list[str], request: LoaderRequest, warmup_batches: int) 
     return cases, derived
 
 
+def loader_plan(options: LoaderOptions, device: torch.device) -> tuple[Config, int]:
+    """The run's Config (--config and --set; without a recipe the built-in settings at 176 px and the batch by device)
+    and the image side the loaders crop to: data.image_size's first-epoch resolution, as training's first epoch."""
+    from fastanchor.trainer.schedule import training_resolution
+
+    config = options.run_config({"data.image_size": 176, "data.batch_size": by_device(0, 64, 256, device.type == "cuda")})
+    return config, training_resolution(config.data, 0)
+
+
 def run_loader_benchmark(options: LoaderOptions, command: str):
     options.validate()
     apply_threads(options)
     device = resolve_device(options.device)
     names = names_list(options.loaders)
     check_loader_names(names)
-    batch_size = by_device(options.batch_size, 64, 256, device.type == "cuda")
-    request = make_request(options, device, batch_size=batch_size, image_size=options.image_size)
+    config, image_size = loader_plan(options, device)
+    batch_size, min_scale = config.data.batch_size, config.data.min_scale
+    request = make_request(options, device, batch_size=batch_size, image_size=image_size, recipe=config)
     cases, derived = loader_cases(names, request, options.warmup_batches)
     images = describe_images(request.index)
     notes = [f"{images['images']} JPEGs in {images['classes']} classes from {options.data}: mean "
              f"{images['mean_bytes'] / 1000:.1f} KB, {images['mean_width']:.0f} x {images['mean_height']:.0f} px",
-             f"every loader: batch {batch_size}, {options.image_size} px random-resized-crop (scale "
-             f"{options.min_scale}-1) + flip, {request.workers} workers, one epoch per repetition, first "
+             f"every loader: batch {batch_size}, {image_size} px random-resized-crop (scale "
+             f"{min_scale}-1) + flip, {request.workers} workers, one epoch per repetition, first "
              f"{options.warmup_batches} batches of each epoch untimed"]
     return run_and_write("loader", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                         config_extra={"resolved": {"batch_size": batch_size, "workers": request.workers},
+                         config=config, tag=options.tag or options.recipe_tag(),
+                         config_extra={"batch_size": batch_size, "image_size": image_size, "min_scale": min_scale,
+                                       "resolved": {"batch_size": batch_size, "workers": request.workers},
                                        "dataset": images})

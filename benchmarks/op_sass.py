@@ -103,6 +103,11 @@ def summary(counts: collections.Counter) -> dict:
 
 
 def run_op_sass(options: OpSassOptions, command: str) -> None:
+    try:
+        import triton  # noqa: F401 - its bundled ptxas and cuobjdump compile and read the kernels
+    except ImportError as error:
+        raise ConfigError(f"bench op-sass compiles with triton's bundled CUDA toolchain: triton is not importable "
+                          f"here ({error})") from None
     os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret
     module = importlib.import_module("fastanchor.kernels.anchor_triton")
     unknown = [v for v in names_list(options.variants) if v not in module.VARIANTS]

@@ -149,41 +149,34 @@ class DataOptions(Checked):
 
 @dataclass
 class ImageDataOptions(CommonOptions):
-    """The JPEGs a loader reads, and how its epochs are timed."""
+    """The JPEGs a loader reads, and how its epochs are timed (the .beton FFCV reads is written with the Config's
+data.ffcv_jpeg_quality and data.ffcv_max_resolution)."""
 
     data: str = option("data/imagenet_shaped/train",
                        "ImageFolder tree (<class>/<image>) the loaders read, e.g. from `fastanchor bench data`")
     images: int = option(0, "use this many images of the tree, drawn with the seed (0: all)")
     workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
     warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
-    ffcv_cache: str = option("", "directory of the .beton written from the images (default: <data>/../ffcv)")
-    ffcv_jpeg_quality: int = option(90, "JPEG quality of the images FFCV's writer re-encodes into the .beton")
-    ffcv_max_resolution: int = option(0, "longest side stored in the .beton (0 keeps the source resolution)")
+    ffcv_cache: str = option("", "directory of the .beton written from the images ('': <data>/../ffcv)")
 
     def checks(self):
         return super().checks() + [
             ("images", self.images >= 0, "0 (all) or a positive count"),
             ("workers", self.workers >= 0, "0 (one per usable CPU) or a positive count"),
             ("warmup_batches", self.warmup_batches >= 0, "0 or more"),
-            ("ffcv_jpeg_quality", 1 <= self.ffcv_jpeg_quality <= 100, "an integer from 1 to 100"),
-            ("ffcv_max_resolution", self.ffcv_max_resolution >= 0, "0 or a positive side in pixels"),
         ]
 
 
 @dataclass
-class LoaderOptions(ImageDataOptions):
+class LoaderOptions(ImageDataOptions, RunConfig):
+    """Every loader built as `fastanchor train` builds its training loader, from --config and --set: data.batch_size,
+data.image_size (the first-epoch resolution), data.min_scale, crop, flip, policy and FFCV order. Without --config:
+the built-in settings at 176 px, batch 64 on CPU, 256 on CUDA. --workers is the measurement's own (docs/benchmarks.md)."""
+
     loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADERS))
-    batch_size: int = option(0, "batch size of every loader (0: 64 on CPU, 256 on CUDA)")
-    image_size: int = option(176, "output side in pixels (random-resized-crop, then flip)")
-    min_scale: float = option(0.35, "lower bound of the random-resized-crop's area scale (the trainer's data.min_scale)")
 
     def checks(self):
-        return super().checks() + [
-            ("loaders", bool(names_list(self.loaders)), "one or more loader names"),
-            ("min_scale", 0 < self.min_scale <= 1, "a number in (0, 1]"),
-            ("batch_size", self.batch_size >= 0, "0 (by device) or a positive batch size"),
-            ("image_size", 8 <= self.image_size <= 4096, "a side from 8 to 4096 pixels"),
-        ]
+        return super().checks() + [("loaders", bool(names_list(self.loaders)), "one or more loader names")]
 
 
 @dataclass
@@ -276,21 +269,17 @@ driver, with triton's bundled ptxas and cuobjdump: per variant its SASS counts (
 
 
 @dataclass
-class SoakOptions(Checked):
-    """A tiny anchored model trained --steps steps through each loader over the embedded dataset, anonymous resident
-memory sampled (docs/benchmarks.md): the JSON (settings, samples, slopes) at --out, a PNG beside it."""
+class SoakOptions(RunConfig):
+    """An anchored model trained --steps steps through each loader of --loaders, built from --config and --set as
+`fastanchor train` builds it (data.*, model.*, anchor.*, optim.*; on the CPU), anonymous resident memory sampled
+(docs/benchmarks.md). Without --config: the built-in settings at batch 32 with a reference bank of 256
+(anchor.references=bank). The JSON (settings, samples, slopes) at --out, a PNG beside it."""
 
     steps: int = option(5000, "training steps per loader")
-    loaders: str = option("torchvision,ffcv", "comma-separated loaders data.loader can name")
-    batch_size: int = option(32, "batch size")
-    image_size: int = option(32, "embedded images and crops, pixels")
-    workers: int = option(2, "loader workers (processes or threads)")
-    model: str = option("fastanchor_resnet_tiny", "model trained (anchored)")
-    bank_size: int = option(256, "device-resident reference bank capacity")
+    loaders: str = option("torchvision,ffcv", "comma-separated loaders soaked in turn (data.loader of each run)")
     threads: int = option(1, "torch CPU threads")
     sample_every: int = option(25, "steps between memory samples")
     warmup: float = option(0.2, "fraction of steps left out of the slope fit")
-    data_root: str = option("data/embedded", "embedded dataset (generated when missing)")
     out: str = option("runs/bench/soak/soak-cpu.json", "result JSON; the PNG goes beside it")
     record: str = option("", "also write the JSON and PNG into this directory (the committed evidence: results/soak)")
 

@@ -3,7 +3,7 @@
     {"schema": "fastanchor-bench-v1", "benchmark", "created", "command", "git_commit",
      "environment": {"device", "device_name", "cpu_count", "usable_cpus", "torch_threads", "platform",
                      "python", "cuda", "libraries": {...}, "jpeg": {...}},
-     "config": {...}, "notes": [...],
+     "config": {...}, "notes": [...], "warnings": [cases whose repetitions spread more than harness.SPREAD_LIMIT],
      "warmup_rounds", "repetitions", "schedule": [case names in the order they ran],
      "cases": [{"name", "unit", "status": "ok", "repetitions": [{"value", "items", "seconds"}],
                 "scale", "median", "min", "max", "rel_spread", ...} | {"name", "unit", "status": "not available", "reason"}],
@@ -128,10 +128,12 @@ def git_commit() -> str | None:
 
 
 def build_result(benchmark: str, *, command: str, config: dict, env: dict, cases: list[dict], derived: list[dict],
-                 schedule: list[str], repetitions: int, warmup_rounds: int, notes: list[str] = ()) -> dict:
+                 schedule: list[str], repetitions: int, warmup_rounds: int, notes: list[str] = (),
+                 warnings: list[str] = ()) -> dict:
     return {
         "schema": SCHEMA, "benchmark": benchmark, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command, "git_commit": git_commit(), "environment": env, "config": config, "notes": list(notes),
+        "warnings": list(warnings),
         "warmup_rounds": warmup_rounds, "repetitions": repetitions, "schedule": schedule,
         "cases": cases, "derived": derived,
     }
@@ -151,6 +153,8 @@ def validate_result(result: dict) -> None:
     missing = [key for key in REQUIRED_ENVIRONMENT if key not in result["environment"]]
     if missing:
         raise ValueError(f"environment lacks {', '.join(missing)}")
+    if not all(isinstance(line, str) for line in result.get("warnings", [])):  # absent from results written before
+        raise ValueError("warnings is not a list of lines")
     by_name = {}
     for case in result["cases"]:
         name = case.get("name")
@@ -238,6 +242,7 @@ def describe_run(result: dict) -> list[str]:
         f"- {result['repetitions']} repetitions per case, interleaved, after {result['warmup_rounds']} warm-up round(s); "
         f"figures are medians, spread is min-max over the repetitions",
         *[f"- {note}" for note in result.get("notes", [])],
+        *[f"- warning: {line}" for line in result.get("warnings", [])],
     ]
 
 

@@ -2,9 +2,11 @@
 
 A leak per step or per epoch (a tensor kept alive, a worker or loading thread left behind at each
 epoch boundary, a reference bank that grows) shows as resident memory rising with the steps. This
-runs a tiny anchored model for `--steps` steps through each loader (torchvision DataLoader, FFCV,
-and DALI when `pipeline/loaders/dali.py` is present), with the device-resident reference bank, over
-many epochs of the embedded dataset, and samples anonymous resident memory (heap, tensors: where
+trains an anchored model for `--steps` steps through each loader of `--loaders` (torchvision DataLoader,
+FFCV, DALI where installed), built by trainer/build.py's functions from the one validated Config of
+`--config` and `--set` as `fastanchor train` builds it (without a recipe the built-in settings: the tiny
+model over the embedded dataset, batch 32, the device-resident reference bank of 256), over many epochs,
+and samples anonymous resident memory (heap, tensors: where
 a leak grows; file-backed pages come and go with the page cache): of the main process, and summed
 over it and its worker processes. The sum counts pages a worker shares copy-on-write with the
 main process twice, but it does not move when such a page is copied (USS would, and PSS moves
@@ -20,7 +22,6 @@ writes the JSON (device, versions, command, settings, samples, slopes) and a PNG
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -33,16 +34,16 @@ import numpy as np
 import torch
 
 from fastanchor.benchmarks.options import SoakOptions, names_list
+from fastanchor.benchmarks.train_step import TrainingSetup, derived_config
+from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.progress import progress_bar
-from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
-from fastanchor.pipeline.references import ReferenceBank
-from fastanchor.trainer.build import ensure_beton, ensure_dataset, split_index, train_loader
-from fastanchor.trainer.config import load_config
-from fastanchor.trainer.losses import anchored_cross_entropy
-from fastanchor.trainer.models import create_model
+from fastanchor.trainer.build import ensure_dataset, make_stage, split_index, train_loader
+from fastanchor.trainer.config import Config
 
 MEASURES = ("anon_main_mib", "anon_tree_mib")
+# the soak's settings without --config: the built-in ones at a small batch, with the reference bank whose growth it watches
+DEFAULTS = {"data.batch_size": 32, "anchor.references": "bank", "anchor.bank_size": 256}
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -100,38 +101,39 @@ def slope_per_1000_steps(steps, values, warmup: float) -> float:
 # The soak loop
 
 
-def soak(loader_name: str, options: SoakOptions) -> dict:
-    config = load_config(None, [
-        f"data.root={options.data_root}", f"data.loader={loader_name}", f"data.batch_size={options.batch_size}",
-        f"data.image_size={options.image_size}", f"data.workers={options.workers}", "train.progress=false",
-        f"embedded.image_size={options.image_size}", f"model.name={options.model}"])
+def soak_config(options: SoakOptions) -> Config:
+    """The run's Config: --config's recipe (or the built-in settings with DEFAULTS), then --set; on the CPU."""
+    config = options.run_config(DEFAULTS)
+    if config.train.device not in ("auto", "cpu"):
+        raise ConfigError(f"train.device = {config.train.device!r}: bench soak measures host memory on the CPU "
+                          "(auto or cpu)")
+    return config
+
+
+def soak(loader_name: str, config: Config, options: SoakOptions) -> dict:
+    """`options.steps` anchored training steps through `loader_name`, built from `config` as training builds them."""
+    config = derived_config(config, {"data.loader": loader_name, "train.progress": False})
+    data, augment = config.data, config.augment
     ensure_dataset(config, progress=False)
-    index = split_index(config.data, config.data.train_split)
-    if loader_name == "ffcv":
-        ensure_beton(config.data, index, progress=False)
+    index = split_index(data, data.train_split)
     device = torch.device("cpu")
-    loader = train_loader(config.data, index, device, seed=0)
-    stage = AnchoringStage(loader, AnchoringSpec(alpha=0.2), references=ReferenceBank(options.bank_size),
-                           device=device, seed=0)
-    torch.manual_seed(0)
-    model = create_model(options.model, len(index.classes), anchored=True).to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = train_loader(data, index, device, config.train.seed, policy=augment.auto_augment, hflip=augment.hflip,
+                          progress=False)
+    setup = TrainingSetup(config, anchored=True, device=device, num_classes=len(index.classes))
+    stage = make_stage(setup.config, loader, device)
     samples = [{"step": 0, "epoch": 0, "seconds": 0.0, **memory_sample()}]
     step, epoch, started = 0, 0, time.perf_counter()
     bar = progress_bar(total=options.steps, desc=f"soak {loader_name}", unit="step")
     while step < options.steps:
         loader.set_epoch(epoch)
         for batch in stage:
-            loss = anchored_cross_entropy(model(batch.inputs), batch.labels, batch.masked)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            setup.step(batch)
             step += 1
             bar.update()
             if step % options.sample_every == 0 or step == options.steps:
                 elapsed = time.perf_counter() - started
                 samples.append({"step": step, "epoch": epoch, "seconds": round(elapsed, 3), **memory_sample()})
-                bar.set_postfix(img_s=f"{step * options.batch_size / elapsed:.0f}",
+                bar.set_postfix(img_s=f"{step * data.batch_size / elapsed:.0f}",
                                 anon_mib=f"{samples[-1]['anon_tree_mib']:.0f}")
             if step == options.steps:
                 break
@@ -139,11 +141,11 @@ def soak(loader_name: str, options: SoakOptions) -> dict:
     bar.close()
     seconds = time.perf_counter() - started
     steps_per_epoch = len(loader)
-    del stage, loader, model, optimizer
+    del stage, loader, setup
     gc.collect()
     steps = [s["step"] for s in samples]
     result = {"samples": samples, "epochs": epoch, "steps_per_epoch": steps_per_epoch,
-              "images_per_s": step * options.batch_size / seconds}
+              "images_per_s": step * data.batch_size / seconds}
     for key in MEASURES:
         values = [s[key] for s in samples]
         after = [v for s, v in zip(steps, values) if s >= options.warmup * steps[-1]]
@@ -209,18 +211,30 @@ def plot(record: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def settings(options: SoakOptions, config: Config) -> dict:
+    """What the record says it ran: the measuring flags and the run's settings under the names the recorded soaks
+    used (batch_size, image_size, workers, model, bank_size, data_root), then the recipe, --set and the whole Config."""
+    data = config.data
+    return {"steps": options.steps, "loaders": options.loaders, "batch_size": data.batch_size,
+            "image_size": data.image_size, "workers": data.workers, "model": config.model.name,
+            "bank_size": config.anchor.bank_size, "threads": options.threads, "sample_every": options.sample_every,
+            "warmup": options.warmup, "data_root": data.root, "recipe": options.recipe,
+            "overrides": list(options.overrides), "trainer_config": config.to_dict()}
+
+
 def run_soak(options: SoakOptions, command: str) -> dict:
     options.validate()
+    config = soak_config(options)
     torch.set_num_threads(options.threads)
     record = {
         "benchmark": "soak", "device": device_description(), "versions": versions(), "command": command,
-        "settings": {k: v for k, v in dataclasses.asdict(options).items() if k not in ("out", "record")},
+        "settings": settings(options, config),
         "memory": "anon_main_mib: RssAnon of the main process; anon_tree_mib: RssAnon summed over it and its worker "
                   "processes; slopes by least squares after the warm-up fraction of steps",
         "loaders": {},
     }
     for name in names_list(options.loaders):
-        record["loaders"][name] = soak(name, options)
+        record["loaders"][name] = soak(name, config, options)
         result = record["loaders"][name]
         print(f"{name}: {result['images_per_s']:.0f} img/s; MiB per 1000 steps after {options.warmup:.0%} warm-up: "
               f"anonymous RSS of the process tree {result['anon_tree_mib_slope_per_1000_steps']:+.3f}, of the "

@@ -25,7 +25,7 @@ if [[ $stage == all || $stage == data ]]; then
 fi
 if [[ $stage == all || $stage == loader ]]; then
     bench loader "${common[@]}" --data "$DATA/train" --images "$IMAGES" --loaders ffcv,torchvision,dali \
-        --batch-size 64 --image-size 176
+        --set data.batch_size=64 --set data.image_size=176
 fi
 if [[ $stage == all || $stage == op ]]; then
     bench op "${common[@]}" --batch-size 64 --image-size 112 --step-model fastanchor_resnet_tiny

@@ -127,7 +127,7 @@ if [[ $part == nvjpeg ]]; then  # the two nvJPEG paths: same batches (the tests)
         --tb=short -ra "${per_test[@]}" --junitxml="$raw/nvjpeg-tests.xml"
     common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress --data "$data/train" "${images[@]}")
     stage nvj-loaders "${LIMIT_LOADER:-60}" "${bench[@]}" loader "${common[@]}" --loaders nvjpeg,nvjpeg-pipelined \
-        --batch-size "$batch" --image-size "$size" --tag nvjpeg
+        --set "data.batch_size=$batch" --set "data.image_size=$size" --tag nvjpeg
     run=(--set "model.name=$model" --set "data.image_size=$size" --set "data.batch_size=$batch")
     # the new path first (its profile written after its figures), then the old one again on this machine
     stage nvj-e2e-new "${LIMIT_E2E:-80}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg-pipelined "${run[@]}" \
@@ -166,4 +166,4 @@ for loader in nvjpeg ffcv; do
         --tag "$loader"
 done
 stage loader "${LIMIT_LOADER:-130}" "${bench[@]}" loader "${common[@]}" --data "$data/train" "${images[@]}" \
-    --loaders nvjpeg,torchvision,ffcv --batch-size "$batch" --image-size "$size" --repetitions 3
+    --loaders nvjpeg,torchvision,ffcv --set "data.batch_size=$batch" --set "data.image_size=$size" --repetitions 3

@@ -4,8 +4,11 @@ here from the recorded repetitions. No test asserts a speed."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import io
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -17,6 +20,7 @@ import torch
 from PIL import Image
 
 from conftest import run_main
+from fastanchor.benchmarks.cli import BENCHMARKS
 from fastanchor.cli import docs as docs_blocks
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
@@ -133,12 +137,15 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 
 
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
-    result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--batch-size", 4,
-                   "--image-size", 32, "--workers", 2, "--warmup-batches", 1,
+    result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--set", "data.batch_size=4",
+                   "--set", "data.image_size=32", "--workers", 2, "--warmup-batches", 1,
                    "--loaders", "ffcv,torchvision,dali,nvjpeg,nvjpeg-pipelined", "--ffcv-cache", tmp_path, "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
     assert "torch" in result["environment"]["libraries"] and result["config"]["dataset"]["images"] == 32
+    # the loaders' batch, size and scale are the Config's (--set data.*), recorded with the whole Config
+    assert (result["config"]["batch_size"], result["config"]["image_size"], result["config"]["min_scale"]) == (4, 32, 0.35)
+    assert result["config"]["trainer_config"]["data"]["batch_size"] == 4
     for name in ("ffcv", "torchvision", "decode limit (files, x2)", "decode limit (.beton, x2)",
                  "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
@@ -518,3 +525,188 @@ def test_first_layer_table_times_the_three_layers_and_the_padded_one_is_the_anch
     assert torch.equal(padded, x8) and padded.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(first_layer.forward_and_weight_grad(conv6.double(), w6, x6, None, pad_in_layer=True), g6,
                           atol=1e-12)
+
+
+# --- bench soak, bench op-sass -------------------------------------------------------------------------------------
+
+def test_soak_trains_through_each_loader_from_the_config_and_writes_what_results_soak_holds(tmp_path):
+    """`bench soak` takes its run settings from --set (data.*, model.*, anchor.*) as `fastanchor train` does, its own
+    flags only about measuring; the record keeps the keys of the committed results/soak files, whose plot still reads."""
+    from fastanchor.benchmarks import soak
+    from conftest import TINY_SPEC
+
+    loaders = "torchvision,ffcv" if importlib.util.find_spec("ffcv") else "torchvision"
+    embedded = [f"--set=embedded.{key}={value}" for key, value in TINY_SPEC.items()]
+    outcome = run_main("bench", "soak", "--steps", 6, "--sample-every", 2, "--loaders", loaders, "--threads", 1,
+                       "--set", f"data.root={tmp_path / 'embedded'}", *embedded, "--set", "data.batch_size=4",
+                       "--set", "data.workers=0", "--set", "anchor.bank_size=16", "--out", tmp_path / "out" / "soak-cpu.json",
+                       "--record", tmp_path / "evidence")
+    assert outcome.returncode == 0, outcome.stderr
+    record = json.loads((tmp_path / "out" / "soak-cpu.json").read_text())
+    assert (tmp_path / "evidence" / "soak-cpu.json").read_text() == (tmp_path / "out" / "soak-cpu.json").read_text()
+    assert (tmp_path / "out" / "soak-cpu.png").exists() and (tmp_path / "evidence" / "soak-cpu.png").exists()
+    committed = json.loads((REPO / "results" / "soak" / "soak-cpu.json").read_text())
+    assert set(committed) <= set(record) and set(committed["settings"]) <= set(record["settings"])
+    assert set(committed["loaders"]["torchvision"]) == set(record["loaders"]["torchvision"])
+    settings = record["settings"]
+    assert (settings["batch_size"], settings["bank_size"], settings["workers"], settings["steps"]) == (4, 16, 0, 6)
+    assert settings["trainer_config"]["anchor"]["references"] == "bank"  # the soak's default: the bank it watches
+    assert list(record["loaders"]) == loaders.split(",")
+    for result in record["loaders"].values():
+        assert [sample["step"] for sample in result["samples"]] == [0, 2, 4, 6]
+        assert result["steps_per_epoch"] == 4 * TINY_SPEC["train_per_class"] // 4  # 48 images, batch 4
+        assert np.isfinite(result["anon_tree_mib_slope_per_1000_steps"])
+    soak.plot(committed, tmp_path / "committed.png")  # the recorded format is the one the plot reads
+    with Image.open(tmp_path / "committed.png") as chart:
+        assert chart.format == "PNG"
+
+
+def test_soak_refuses_its_former_training_flags_and_bad_settings_in_one_line(tmp_path):
+    from fastanchor.cli import build_parser
+
+    for former in ("--batch-size", "--image-size", "--workers", "--model", "--bank-size", "--data-root"):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stopped:
+            build_parser().parse_args(["bench", "soak", former, "4"])
+        assert stopped.value.code == 2 and f"unrecognized arguments: {former} 4" in err.getvalue()
+    for args, expected in [
+        (["--set", "train.device=cuda"], "train.device = 'cuda': bench soak measures host memory on the CPU"),
+        (["--set", "data.batch_size=0"], "data.batch_size"),
+        (["--loaders", "torchvision,nope"], "--loaders = 'torchvision,nope'"),
+    ]:
+        outcome = run_main("bench", "soak", *args, "--out", tmp_path / "soak.json")
+        assert outcome.returncode == 2 and expected in outcome.stderr, outcome.stderr
+        assert len(outcome.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_op_sass_command_prints_a_line_per_variant_or_refuses_in_one_line():
+    """`bench op-sass` compiles with triton's bundled ptxas: where triton is importable it prints one line of counts
+    per variant; a variant it does not know, or no triton at all, is one line and exit 2."""
+    from fastanchor.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "op-sass", "--variants", "cl,strided"]).variants == "cl,strided"
+    outcome = run_main("bench", "op-sass", "--variants", "cl,nope")
+    assert outcome.returncode == 2 and "'nope' is not a variant of kernels/anchor_triton.py" in outcome.stderr
+    assert len(outcome.stderr.strip().splitlines()) == 1
+    without_triton = subprocess.run(  # triton made unimportable: the command says so, no traceback
+        [sys.executable, "-c", "import sys; sys.modules['triton'] = None\nfrom fastanchor.cli import main\n"
+                               "sys.exit(main(['bench', 'op-sass', '--variants', 'cl']))"],
+        capture_output=True, text=True, cwd=REPO.parent, timeout=300)
+    assert without_triton.returncode == 2, without_triton.stderr
+    assert without_triton.stderr.strip().splitlines() == [
+        "fastanchor: error: bench op-sass compiles with triton's bundled CUDA toolchain: triton is not importable "
+        "here (import of triton halted; None in sys.modules)"]
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable here: the compiling half needs it")
+    outcome = run_main("bench", "op-sass", "--variants", "cl")
+    assert outcome.returncode == 0, outcome.stderr
+    (line,) = [line for line in outcome.stdout.splitlines() if line.strip()]
+    assert line.startswith("cl: grid (7936,), ") and "'STG.E.128'" in line and "'spills (LDL/STL)': 0" in line
+
+
+# --- spread of the repetitions ---------------------------------------------------------------------------------------
+
+def test_a_case_whose_repetitions_spread_is_named_in_one_line_and_in_the_result(tmp_path):
+    """Repetitions spreading more than SPREAD_LIMIT (max over min) give one warning line naming the case and the
+    spread, printed and kept in the result's `warnings`; steady and unavailable cases give none."""
+    from fastanchor.benchmarks.common import run_and_write
+    from fastanchor.benchmarks.harness import SPREAD_LIMIT, not_available, spread_warnings
+    from fastanchor.benchmarks.options import CommonOptions
+
+    assert spread_warnings([{"name": "op: torch", "unit": "GB/s", "status": "ok", "min": 1.0, "max": 12.0},
+                            {"name": "copy", "unit": "GB/s", "status": "ok", "min": 10.0, "max": 10.0 * SPREAD_LIMIT},
+                            {"name": "op: triton", "unit": "GB/s", "status": "not available", "reason": "no GPU"}]) == [
+        "case 'op: torch': repetitions spread 12.00x (min 1, max 12 GB/s), more than 1.5x: its median is unsteady"]
+
+    def fed(seconds):  # the Measurements a case's repetitions return, fed in (warm-up first): nothing here is timed
+        durations = iter(seconds)
+        return lambda: Measurement(1.0, next(durations))
+
+    cases = [Case("unsteady", "items/s", fed([1.0, 1.0, 12.0])), Case("steady", "items/s", fed([1.0, 1.0, 1.1])),
+             not_available("absent", "items/s", "not here")]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        result, paths = run_and_write("spread", CommonOptions(out=str(tmp_path), repetitions=2, progress=False),
+                                      cases=cases, derived=[], device=torch.device("cpu"), command="test")
+    assert result["warnings"] == [
+        "case 'unsteady': repetitions spread 12.00x (min 0.08333, max 1 items/s), more than 1.5x: its median is unsteady"]
+    assert err.getvalue() == f"warning: {result['warnings'][0]}\n"
+    written = json.loads(paths["json"].read_text())
+    validate_result(written)
+    assert written["warnings"] == result["warnings"]
+    assert f"- warning: {result['warnings'][0]}" in paths["md"].read_text()
+
+
+# --- every benchmark's --help --------------------------------------------------------------------------------------
+
+def options_read(target: str) -> set[str]:
+    """Attribute names read off `options` (or off `self` in the options classes' methods, their checks left out) in the
+    benchmark's module and every fastanchor.benchmarks module it imports, transitively."""
+    import ast
+
+    todo, seen, read = [target.split(":")[0]], set(), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or not (REPO / "benchmarks" / f"{name}.py").exists():
+            continue
+        seen.add(name)
+        tree = ast.parse((REPO / "benchmarks" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fastanchor.benchmarks"):
+                todo += [node.module.rsplit(".", 1)[1]] if node.module != "fastanchor.benchmarks" else \
+                    [alias.name for alias in node.names]
+        checks = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "checks"
+                  for n in ast.walk(f)}
+        read |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and id(node) not in checks
+                 and isinstance(node.value, ast.Name) and node.value.id in ("options", "self")}
+    return read
+
+
+def help_options(text: str) -> dict[str, str]:
+    """`--flag` -> its help text (wrapped lines joined) of an argparse --help."""
+    found, current = {}, None
+    for line in text.splitlines():
+        start = re.match(r"^  (-{1,2}[\w-]+)", line)
+        if start:
+            current = start.group(1)
+            found[current] = line
+        elif current and line.startswith("      "):
+            found[current] += " " + line.strip()
+        else:
+            current = None
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"fidelity"}))  # fidelity: an accuracy sweep, leaving for reproduce/
+def test_every_benchmark_help_shows_only_options_it_reads_with_the_defaults_it_uses(name):
+    """`fastanchor bench WHAT --help`, parsed: every option is a field of the benchmark's options class that the benchmark
+    reads (`options.<field>` in its modules, checks aside), each field is shown, and each shown default is the field's."""
+    import dataclasses
+
+    from fastanchor.cli import build_parser
+
+    bench_parser = build_parser()._subparsers._group_actions[0].choices["bench"]
+    text = bench_parser._subparsers._group_actions[0].choices[name].format_help()
+    shown = help_options(text)
+    cls, target, _ = BENCHMARKS[name]
+    fields = {}
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            fields[flag if isinstance(flag, str) else flag[0]] = f
+    read = options_read(target)
+    assert set(shown) - {"-h"} == set(fields), f"bench {name} --help lists {sorted(shown)}, its options {sorted(fields)}"
+    problems = []
+    for flag, f in fields.items():
+        if f.name not in read:
+            problems.append(f"{flag}: shown by --help, never read by the benchmark")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        found = re.search(r"\(default: (.*?)\)$", shown[flag])
+        if default in ("", None, []) or f.metadata.get("required"):
+            if found:
+                problems.append(f"{flag}: a default shown where there is none")
+        elif found or f.type not in (bool, "bool"):  # argparse shows a --x/--no-x default only where its help asks
+            if not found or found.group(1).replace(" ", "") != str(default).replace(" ", ""):  # wrapped anywhere
+                problems.append(f"{flag}: {shown[flag]!r}, default {default!r}")
+    assert not problems, f"bench {name}: {problems}"

@@ -108,7 +108,7 @@ def test_adding_a_loader_is_one_file_and_one_registry_entry(tiny_dataset, tmp_pa
 
     out = tmp_path / "bench"
     outcome = run_main("bench", "loader", "--device", "cpu", "--repetitions", 1, "--warmup-rounds", 0, "--no-progress",
-                       "--data", tiny_dataset / "train", "--images", 16, "--batch-size", 4, "--image-size", 16,
+                       "--data", tiny_dataset / "train", "--images", 16, "--set", "data.batch_size=4", "--set", "data.image_size=16",
                        "--workers", 1, "--warmup-batches", 1, "--loaders", "tiny", "--out", out)
     assert outcome.returncode == 0, outcome.stderr
     (result,) = [json.loads(path.read_text()) for path in out.glob("loader-*.json")]
