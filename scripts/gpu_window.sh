@@ -139,13 +139,13 @@ if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, 
     data_size=(--num-classes 1000 --images-per-class 5) images=(--images 4096) reps=(--repetitions 5)
     run=(--set model.name=resnet50 --set data.image_size=176 --set data.batch_size=256 --set train.amp=bf16)
     step_run=(--set data.batch_size=256 --models resnet50@176) op_shape=(--batch-size 256 --image-size 176)
-    loader_shape=(--batch-size 256 --image-size 176) tests=(tests/test_gpu.py tests/test_anchor_triton.py
+    loader_shape=(--set data.batch_size=256 --set data.image_size=176) tests=(tests/test_gpu.py tests/test_anchor_triton.py
         tests/test_reference_bank.py tests/test_pseudo_ood.py tests/test_nvjpeg_loader.py)
 else  # the rehearsal: the same stages, tiny
     data_size=(--num-classes 8 --images-per-class 4) images=(--images 32) reps=(--repetitions 1 --warmup-rounds 0)
     run=(--set model.name=fastanchor_resnet_tiny --set data.image_size=32 --set data.batch_size=8)
     step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2) op_shape=(--batch-size 8 --image-size 32)
-    loader_shape=(--batch-size 8 --image-size 32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
+    loader_shape=(--set data.batch_size=8 --set data.image_size=32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
 fi
 
 # the JPEGs are written on the CPUs while the GPU runs its tests
