@@ -78,7 +78,11 @@ def epilog(cls: type) -> str | None:
     notes = [] if (cls.__doc__ or "").startswith(cls.__name__ + "(") else [cls.__doc__ or ""]
     if hasattr(cls, "help_epilog"):
         notes.append(cls.help_epilog())
-    if issubclass(cls, Recipe):
+    if issubclass(cls, Recipe) and cls.READS:
+        notes.append(f"options this command reads (section.key = the value used without --config, the {DEFAULT_RECIPE} "
+                     f"recipe's; --set also takes every other option, so that train's command line serves here too):\n"
+                     + describe_options(recipe_defaults(), cls.READS))
+    elif issubclass(cls, Recipe):
         notes.append(f"options --set takes (section.key = the value used without --config, the {DEFAULT_RECIPE} recipe's; "
                      f"--config sets its own, --set overrides both):\n" + describe_options(recipe_defaults(), cls.SETTABLE))
     elif issubclass(cls, Overrides):

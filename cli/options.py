@@ -16,6 +16,7 @@ from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
 
 @dataclass
 class PrepareOptions(Recipe):
+    READS = ("data", "embedded", "train.progress")
     format: str = option("imagefolder", "imagefolder: the ImageFolder tree only; ffcv: also a .beton per split",
                          choices=("imagefolder", "ffcv"))
 

@@ -44,7 +44,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(f.name, nargs="+" if kind is list else None, type=None if kind is list else kind,
                                 metavar=meta.get("metavar", f.name.upper()), help=meta["help"])
         elif kind is bool:
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=meta["help"] + shown_default(default))
         elif kind is list:  # repeatable; None (not given) leaves the field's default
             parser.add_argument(*flags, dest=f.name, action="append", default=None, required=meta.get("required", False),
                                 metavar=meta.get("metavar", "VALUE"), help=meta["help"])
@@ -64,9 +65,11 @@ def options_from(cls: type, args: argparse.Namespace):
 
 @dataclass
 class Overrides:
-    """--set; `SETTABLE` names the sections ('eval') and keys ('train.progress') a command takes (empty: all)."""
+    """--set; `SETTABLE` names the sections ('eval') and keys ('train.progress') a command takes (empty: all), and
+    `READS` those its --help lists where it takes more than it reads (prepare takes train's whole command line)."""
 
     SETTABLE: typing.ClassVar[tuple[str, ...]] = ()
+    READS: typing.ClassVar[tuple[str, ...]] = ()
     overrides: list = option([], "override one option, e.g. --set data.workers=0 (repeatable; the list is below)",
                              flag="--set", metavar="KEY=VALUE")
 

@@ -1,6 +1,7 @@
 """Configuration: recipes, overrides, validation with one clear message."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -140,6 +141,20 @@ def test_checkpoint_commands_list_and_take_only_their_options(tmp_path):
         result = run_main(*args, "--checkpoint", tmp_path / "never_read.pt")
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_prepare_lists_the_options_it_reads_and_takes_trains_command_line():
+    text = command_help("prepare")
+    listed = {found.group(1) for found in re.finditer(r"^    ([a-z_]+\.[a-z_0-9]+) = ", text, re.M)}
+    assert {key.split(".")[0] for key in listed} == {"data", "embedded", "train"} and "train.progress" in listed
+    assert not any(key.startswith("train.") and key != "train.progress" for key in listed)
+    assert "data.root = 'data/embedded_demo'" in text  # the demo recipe's, which a plain prepare uses
+
+
+def test_every_on_off_flag_shows_its_default():
+    text = command_help("reproduce")
+    assert re.search(r"--dry-run, --no-dry-run\s+[^\n]*\n[^\n]*\(default: False\)", text) or \
+        "run nothing (default: False)" in text.replace("\n", " ").replace("  ", " ")
 
 
 def test_the_shorthand_flags_are_their_set_forms():
