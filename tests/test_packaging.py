@@ -93,7 +93,7 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
                                       "print(PAPER_NUMBERS, len(paper_numbers('tab1')['entries']))").split()
     assert Path(typed[0]).is_relative_to(target) and int(typed[1]) > 0  # the paper's numbers ship with the wheel
     listed = run(script, "recipes")
-    assert all(f"`{name}`" in listed for name in recipe_names() if "/" in name)
+    assert all(f"  {name}\n" in listed for name in recipe_names() if "/" in name)
 
 
 def test_makefile_editable_install_prints_no_warning(tmp_path):
