@@ -29,7 +29,7 @@ from fastanchor.reproduce.sweep import execute
 from fastanchor.trainer.config import load_config
 
 ANCHORING = [name for name, e in EXPERIMENTS.items() if e.paper == "000"]
-SFT = [name for name, e in EXPERIMENTS.items() if e.paper == "002" and name != "sft-control"]  # the tables
+SFT = [name for name, e in EXPERIMENTS.items() if e.paper == "002" and name not in ("sft-control", "sft-demo")]  # the tables
 
 
 def reproduce(*args):
@@ -422,6 +422,23 @@ def test_sft_and_er_dry_runs_at_small_scale_parse(tmp_path):
                                                         if pretrained)
     result = run_main("reproduce", "sft-tab5", "--scale", "cifar", "--data", tmp_path, "--dry-run")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and "tiny, small" in result.stderr
+
+
+def test_sft_demo_dry_run_trains_the_demo_models_once_and_fine_tunes_each_per_setting(tmp_path):
+    """sft-demo: the two demo models (the demo recipe as it ships, standard and anchored), each trained once, then one
+    kept-summary fine-tune per setting of each: 14 at small scale, with the setting's overrides on the recipe's."""
+    from fastanchor.reproduce.sft_demo import SETTINGS
+
+    out = tmp_path / "out"
+    text = reproduce("sft-demo", "--out", out, "--dry-run").stdout
+    trains = [shlex.split(line) for line in text.splitlines() if line.startswith("fastanchor train")]
+    assert len(trains) == 2 * len(SETTINGS) and len({tuple(t) for t in trains}) == 2 and not out.exists()
+    configs = {load_config(t[3], sets(t)).anchor.enabled: load_config(t[3], sets(t)) for t in trains}
+    assert set(configs) == {False, True} and all(c.train.epochs == load_config("demo", []).train.epochs
+                                                 for c in configs.values())
+    fine_tunes = [shlex.split(line)[2] for line in text.splitlines() if "finetune_kept_summary(" in line]  # python -c CODE
+    sgd = [code for code in fine_tunes if code.endswith("/sgd'), device='auto')")]
+    assert len(fine_tunes) == 2 * len(SETTINGS) and len(sgd) == 2 and all(repr(SETTINGS["sgd"]) in code for code in sgd)
 
 
 def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
