@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastanchor.reproduce.runs import Experiment, Run, Step
+from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, TINY_EMBEDDED, setups
+from fastanchor.reproduce.steps import ERSummary, Robustness, Testbed, Train
 
 # pretraining: the embedded generator with more classes and images, another seed (small), a little more (tiny)
 PRETRAIN = {
@@ -47,10 +48,10 @@ def testbed_run(experiment: str, scale: str, data: str, out: str, device: str, p
     folder = Path(out) / "er" / "testbed"
     members = TINY_TESTBED if scale == "tiny" else SMALL_TESTBED
     common = (*setup.train, f"train.device={device}", f"train.progress={str(progress).lower()}")
-    steps = [Step("train", str(folder / "models" / name / "final.pt"), recipe=setup.standard,
-                  overrides=tuple(member_overrides(folder, name, member, common))) for name, member in members.items()]
-    steps.append(Step("testbed", str(folder / "testbed_fit.json"), recipe=setup.standard, folder=str(folder),
-                      overrides=common, members=tuple((name, tuple(member)) for name, member in members.items())))
+    steps = [Train(str(folder / "models" / name / "final.pt"), recipe=setup.standard,
+                   overrides=tuple(member_overrides(folder, name, member, common))) for name, member in members.items()]
+    steps.append(Testbed(str(folder / "testbed_fit.json"), recipe=setup.standard, folder=str(folder),
+                         overrides=common, members=tuple((name, tuple(member)) for name, member in members.items())))
     return Run(experiment, "testbed", setup.name, "testbed", None, 0, setup.standard, (), (), steps=tuple(steps),
                result=steps[-1].output, where=str(folder))
 
@@ -60,13 +61,13 @@ def plan_testbed(experiment: Experiment, scale: str, data: str, out: str, seeds:
     return [testbed_run(experiment.name, scale, data, out, device, progress)], []
 
 
-def pretrain_step(scale: str, setup, out: str, out_dir: Path, run_name: str, extra) -> Step:
+def pretrain_step(scale: str, setup, out: str, out_dir: Path, run_name: str, extra) -> Train:
     """Standard training on the larger embedded set (PRETRAIN; its data generated once under <out>/er/data at tiny
     scale, data/embedded_pretrain at small) into <out_dir>/<run_name>/; `extra`: further overrides (model, device)."""
     p = PRETRAIN[scale]
     root = Path(out) / "er" / "data" / "pretrain" if scale == "tiny" else Path("data/embedded_pretrain")
     embedded = {**(TINY_EMBEDDED if scale == "tiny" else {}), **{k: v for k, v in p.items() if k != "epochs"}}
-    return Step("train", str(out_dir / run_name / "final.pt"), recipe=setup.standard, overrides=(
+    return Train(str(out_dir / run_name / "final.pt"), recipe=setup.standard, overrides=(
         *(o for o in setup.train if not o.startswith(("data.root=", "embedded."))), f"data.root={root}",
         *(f"embedded.{k}={v}" for k, v in embedded.items()),
         "anchor.enabled=false", f"train.epochs={p['epochs']}", "train.seed=0", f"train.out_dir={out_dir}",
@@ -93,7 +94,7 @@ def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds
         for arm, lr in LEARNING_RATE.items():
             name = f"{arm}-s{seed}"
             init = [f"model.init_checkpoint={pretrain.output}"] if arm == "pretrained" else []
-            step = Step("train", str(home / "finetune" / name / "final.pt"), recipe=setup.standard, overrides=(
+            step = Train(str(home / "finetune" / name / "final.pt"), recipe=setup.standard, overrides=(
                 *setup.train, *FINETUNE, f"optim.lr={lr}", *init, f"train.epochs={size['epochs']}",
                 f"train.checkpoint_interval={size['checkpoint_interval']}", f"train.seed={seed}",
                 f"train.out_dir={home / 'finetune'}", f"train.run_name={name}", *quiet))
@@ -102,10 +103,10 @@ def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds
                             steps=((pretrain, step) if init else (step,)), result=step.output,
                             where=folders[arm][-1]))
     every = tuple(folder for pair in zip(*folders.values()) for folder in pair)
-    robustness = Step("robustness", str(Path(every[-1]) / "robustness_over_training.json"), runs=every, baseline="auto",
-                      folder=str(home), overrides=(f"train.progress={str(progress).lower()}",))
-    summary = Step("er-summary", str(home / "er_summary.json"), folder=str(home),
-                   groups=tuple((GROUP_LABELS[arm], tuple(f)) for arm, f in folders.items()))
+    robustness = Robustness(str(Path(every[-1]) / "robustness_over_training.json"), runs=every, baseline="auto",
+                            folder=str(home), overrides=(f"train.progress={str(progress).lower()}",))
+    summary = ERSummary(str(home / "er_summary.json"), folder=str(home),
+                        groups=tuple((GROUP_LABELS[arm], tuple(f)) for arm, f in folders.items()))
     runs.append(Run(experiment.name, "analysis", setup.name, "analysis", None, 0, setup.standard, (), (),
                     steps=(robustness, summary), result=summary.output, where=str(home)))
     return runs, notes
@@ -193,8 +194,10 @@ ER_EVALUATION = {"default": Evaluation(corruptions=False)}
 ER_EXPERIMENTS = (
     Experiment("er-testbed", "a testbed of diverse standard models on the demo data and its line (logit and probit, R^2)",
                "Appendix A, Tables 2-3, Figure 2", "", {"default": (None,)}, ("testbed",), 1, 0, ER_EVALUATION,
-               paper="003", scales=("tiny", "small"), planner=plan_testbed, aggregator=testbed_result),
+               View((), "copy", table=testbed_markdown), paper="003", scales=("tiny", "small"), planner=plan_testbed,
+               aggregator=testbed_result),
     Experiment("er-finetune", "ER over fine-tuning: pretrained on a larger set vs random init, against the testbed line",
                "Figures 1 and 3, Section 5", "", {"default": (None,)}, tuple(LEARNING_RATE), 3, 0, ER_EVALUATION,
-               paper="003", scales=("tiny", "small"), planner=plan_finetune, aggregator=finetune_result),
+               View((), "copy", table=finetune_markdown), paper="003", scales=("tiny", "small"), planner=plan_finetune,
+               aggregator=finetune_result),
 )

@@ -19,9 +19,11 @@ from pathlib import Path
 
 from fastanchor.errors import ConfigError
 from fastanchor.reproduce.er import ER_EXPERIMENTS
-from fastanchor.reproduce.runs import Experiment, Run, Step
+from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, Setup, setups
-from fastanchor.reproduce.sft import SFT_EXPERIMENTS
+from fastanchor.reproduce.sft import SFT_CONTROL, SFT_EXPERIMENTS
+from fastanchor.reproduce.sft_demo import SFT_DEMO
+from fastanchor.reproduce.steps import Evaluate, Link, Train
 
 ARMS = ("standard", "anchored", "masking")
 ARM_LABELS = {"standard": "Standard", "anchored": "Anchored (alpha 0)", "masking": "Masking (proposed)"}
@@ -81,39 +83,54 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         "Figure 1", "|R|",
         {"tiny": (5, WHOLE), "small": (5, 10, 50, 500, WHOLE), "cifar": (5, 10, 50, 100, 500, 1000, 5000, WHOLE),
          "default": (5, 50, 500, 5000, WHOLE)},
-        ARMS, 3, 12, {"default": CORRUPTION_C}, reference_set,
-        arm_values=lambda arm, values: (None,) if arm == "standard" else values,
-        setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18")}, log_x=True),
+        ARMS, 3, 12, {"default": CORRUPTION_C},
+        View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)", log_x=True),
+        reference_set, arm_values=lambda arm, values: (None,) if arm == "standard" else values,
+        setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18")}),
     Experiment(
         "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
         "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
         {"default": Evaluation(references=10, blt=True), "small": Evaluation(severities=(1, 3, 5), references=10, blt=True)},
+        View(("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt", "ms_one", "ms_k", "ms_blt",
+              "ms_one_pooled", "ms_k_pooled", "ms_blt_pooled"),
+             "bars_metrics", ("id_top1", "id_top1_k", "id_top1_blt", "c_mean", "c_top1_k", "c_top1_blt"), "top-1 (%)",
+             ((("ms_one", "ms_k", "ms_blt"), "ms per 1000 ID images"),
+              (("ms_one_pooled", "ms_k_pooled", "ms_blt_pooled"), "ms per 1000 images, every set"))),
         setups={"cifar": ("cifar100_resnet18",)}),
     Experiment(
         "tab1", "generalisation: ID and corruption accuracy per severity on C and C-bar",
         "Table 1 (CIFAR); Tables 2 and 6 (ImageNet)", "", {"default": (None,)}, ARMS, 2, 24,
         {"default": Evaluation(corruptions_bar=True), "imagenet": Evaluation(corruptions_bar=True, datasets=True)},
+        View(("id_top1", r"c_sev\d", r"cbar_sev\d", r"[a-z-]+_top1", "smece_mean"), "severity",
+             (r"c_sev\d", r"cbar_sev\d"), "mean corruption top-1 (%)"),
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18", "cifar100_wrn40_2"),
                 "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
     Experiment(
         "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
         ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True, references=10)},
+        View(("id_top1", r"auroc_[a-z]+", r"auroc_energy_.+"), "bars_metrics", (r"auroc_[a-z]+",), "AUROC (%)"),
         setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")},
         trained_by="tab1"),
     Experiment(
         "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
         {"tiny": (0.0, 1.0), "default": (0.0, 0.25, 0.5, 0.75, 1.0)}, ("masking",), 3, 12,
-        {"default": CORRUPTION_C}, alpha, setups={"cifar": ("cifar100_resnet18",)}),
+        {"default": CORRUPTION_C}, View(("id_top1", "c_mean"), "curve", ("id_top1", "c_mean"), "top-1 (%)"), alpha,
+        setups={"cifar": ("cifar100_resnet18",)}),
     Experiment(
         "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
         "Figure 5a", "augmentation",
         {"tiny": ("geometric", "augmix", "pixmix"), "default": tuple(AUGMENTATIONS)}, ARMS, 2, 12,
-        {"default": SEVERITY_5}, augmentation, setups={"cifar": ("cifar100_resnet18",)}),
+        {"default": SEVERITY_5}, View(("c_sev5", "id_top1"), "bars_values", ("c_sev5",), "corruption top-1 at severity 5 (%)"),
+        augmentation, setups={"cifar": ("cifar100_resnet18",)}),
     Experiment(
         "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
         "label noise (%)", {"tiny": (0, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 2, 8,
-        {"default": CORRUPTION_C}, label_noise, setups={"cifar": ("cifar100_resnet18",)}),
+        {"default": CORRUPTION_C},
+        View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"), label_noise,
+        setups={"cifar": ("cifar100_resnet18",)}),
     *SFT_EXPERIMENTS,
+    SFT_CONTROL,
+    SFT_DEMO,
     *ER_EXPERIMENTS,
 )}
 
@@ -138,13 +155,12 @@ def value_slug(value) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]", "_", str(value))
 
 
-def trained_elsewhere(run: Run, trainer: str, out: str) -> tuple[Step, ...]:
+def trained_elsewhere(run: Run, trainer: str, out: str) -> tuple[Train, Link, Evaluate]:
     """The steps of a run whose model `trainer`'s run of the same name trains: that training (shared: whichever
     experiment runs first trains it), its final.pt hard-linked into this run's folder, the evaluation there."""
     trained, here = Path(out) / trainer / run.name / "final.pt", run.folder(out) / "final.pt"
-    return (Step("train", str(trained), recipe=run.recipe, overrides=run.train),
-            Step("link", str(here), checkpoint=str(trained)),
-            Step("evaluate", str(here.with_name("eval.json")), checkpoint=str(here), overrides=run.evaluate))
+    return (Train(str(trained), recipe=run.recipe, overrides=run.train), Link(str(here), checkpoint=str(trained)),
+            Evaluate(str(here.with_name("eval.json")), checkpoint=str(here), overrides=run.evaluate))
 
 
 def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",

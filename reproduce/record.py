@@ -1,5 +1,6 @@
-"""The committed record of an experiment: results/reproduce/<experiment>/ holds result.json,
-result.png and a README.md generated from the result JSON (never typed by hand)."""
+"""An experiment's result files: result.json, result.md and result.png beside its runs, and the committed record
+(results/reproduce/<experiment>/: result.json, result.png and a README.md generated from the result JSON, never typed
+by hand)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,45 @@ import shutil
 from pathlib import Path
 
 from fastanchor.files import atomic_write_bytes
-from fastanchor.reproduce.aggregate import markdown
+from fastanchor.reproduce.experiments import EXPERIMENTS
+from fastanchor.reproduce.figures import figure
+from fastanchor.reproduce.tables import markdown
+
+
+def write_results(result: dict, folder: Path, whole: dict[str, int] | None = None) -> dict[str, Path]:
+    """result.json, result.md and result.png into `folder` (each written atomically), and their paths. A view of plot
+    kind "copy" copies the figure its experiment's last step drew (the testbed's, the binned ER) where there is one,
+    and has no result.png without one."""
+    view = EXPERIMENTS[result["experiment"]].view
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {name: folder / name for name in ("result.json", "result.md", "result.png")}
+    atomic_write_bytes(paths["result.json"], lambda h: h.write(json.dumps(result, indent=2).encode()))
+    atomic_write_bytes(paths["result.md"], lambda h: h.write(markdown(result, view).encode()))
+    if view.plot != "copy":
+        figure(result, view, paths["result.png"], whole)
+    elif result.get("figure"):
+        atomic_write_bytes(paths["result.png"], lambda h: h.write(Path(result["figure"]).read_bytes()))
+    else:
+        del paths["result.png"]
+    return paths
 
 
 def readme(result: dict) -> str:
-    """The record's README: how it was made, then the result table and the paper's numbers (aggregate.markdown)."""
+    """The record's README: how it was made, then the result table and the paper's numbers (tables.markdown)."""
     made = [f"- command: `{result.get('command', '')}`" if result.get("command") else "",
             "- generated from result.json by fastanchor.reproduce.record (rerun the command, or "
             "`fastanchor reproduce " + result["experiment"] + " --aggregate-only --record DIR`, to regenerate)",
             "- what the paper found, what we measure and why they differ: docs/reproduce.md, section "
             + result["experiment"]]
-    table = markdown(result).split("\n")
+    table = markdown(result, EXPERIMENTS[result["experiment"]].view).split("\n")
     return "\n".join(table[:2] + [line for line in made if line] + table[2:])
 
 
-def write_record(result: dict, figure: Path, folder: Path) -> Path:
+def write_record(result: dict, figure: Path | None, folder: Path) -> Path:
+    """result.json, the figure (None: the experiment has none) as result.png and the generated README.md."""
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(folder / "result.json", lambda h: h.write(json.dumps(result, indent=2).encode()))
-    if figure.resolve() != (folder / "result.png").resolve():
+    if figure and figure.resolve() != (folder / "result.png").resolve():
         shutil.copyfile(figure, folder / "result.png.tmp")
         (folder / "result.png.tmp").replace(folder / "result.png")
     atomic_write_bytes(folder / "README.md", lambda h: h.write(readme(result).encode()))

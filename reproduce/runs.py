@@ -1,21 +1,12 @@
-"""What a sweep is made of: a `Run` is a list of `Step`s, each an ordinary fastanchor command with the file
-that says it is done; an `Experiment` plans the runs of a paper's figure or table at a scale.
+"""What a sweep is made of: a `Run` is a list of steps (steps.py: one dataclass per step kind, each an ordinary
+fastanchor command with the file that says it is done); an `Experiment` plans the runs of a paper's figure or
+table at a scale and owns its `View` (how its result is tabled and drawn).
 
 The anchoring experiments' runs have two steps, `fastanchor train` into the run's folder and `fastanchor
 evaluate` of its final.pt (`Run.train` and `Run.evaluate`). Other experiments give their steps explicitly
 (`Run.steps`): a step whose output several runs name is shared by them, so a base training run fine-tuned
 many times is trained once (the first run that needs it trains it; the others find its final.pt). The
 sweep (sweep.py) runs every step whose output is missing, in order, and skips the others.
-
-Step kinds (sweep.py runs each through the function its command calls):
-  train         `fastanchor train --config RECIPE --resume auto --set ...`             output <run>/final.pt
-  evaluate      `fastanchor evaluate --checkpoint CKPT --set ...`                      output <run>/eval.json
-  link          another experiment's trained final.pt, hard-linked into this run's folder output <run>/final.pt
-  finetune-ood  `fastanchor finetune-ood --checkpoint CKPT --out OUT --set ...`        output OUT/summary.json
-  ood-sets      benchmarks/sft_ood_sets.py: pseudo-OOD and jigsaw sets from val images output the folder
-  testbed       evaluation/testbed.py's build_testbed over already trained members  output testbed_fit.json
-  robustness    `fastanchor robustness --run R ... --baseline B`                        output the last run's JSON
-  er-summary    evaluation/er_summary.py's summarise_groups                        output er_summary.json
 """
 
 from __future__ import annotations
@@ -24,26 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from fastanchor.reproduce.steps import Evaluate, Step, Train
+
 SCALES = ("tiny", "small", "cifar", "imagenet")
 
 
 @dataclass(frozen=True)
-class Step:
-    kind: str                        # one of the module docstring's kinds
-    output: str                      # the file (or folder) whose presence says the step is done
-    recipe: str = ""                 # train, testbed: the recipe
-    checkpoint: str = ""             # evaluate, finetune-ood: the checkpoint read
-    folder: str = ""                 # finetune-ood, ood-sets, testbed, er-summary: where it writes
-    overrides: tuple[str, ...] = ()  # train, evaluate, finetune-ood, testbed (common to every member): --set overrides
-    data: str = ""                   # ood-sets: the dataset root whose val split the sets are made from
-    count: int = 0                   # ood-sets: images per set
-    members: tuple[tuple[str, tuple[str, ...]], ...] = ()  # testbed: (name, overrides) per member
-    runs: tuple[str, ...] = ()       # robustness: the run folders
-    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # er-summary: (label, run folders) per group
-    baseline: str = ""               # robustness: --baseline
+class View:
+    """How an experiment's result is shown: the table's columns and the figure's layout."""
 
-    def done(self) -> bool:
-        return Path(self.output).exists()
+    columns: tuple[str, ...]   # metric keys or regular expressions over them, in table order
+    plot: str                  # curve | bars_values | bars_metrics | severity | copy (the figure its last step drew)
+    plot_metrics: tuple[str, ...] = ()
+    ylabel: str = ""
+    more: tuple[tuple[tuple[str, ...], str], ...] = ()  # bars_metrics: further panels (metrics, y label)
+    plot_arms: str = ""        # the arms drawn (a regular expression; '': all)
+    log_x: bool = False        # curve: the swept value on a log axis
+    table: Callable[[dict], list[str]] | None = None  # copy: the result's own table (Markdown lines), not one of rows
 
 
 @dataclass(frozen=True)
@@ -71,8 +59,8 @@ class Run:
         if self.steps:
             return self.steps
         folder = self.folder(out)
-        return (Step("train", str(folder / "final.pt"), recipe=self.recipe, overrides=self.train),
-                Step("evaluate", str(folder / "eval.json"), checkpoint=str(folder / "final.pt"), overrides=self.evaluate))
+        return (Train(str(folder / "final.pt"), recipe=self.recipe, overrides=self.train),
+                Evaluate(str(folder / "eval.json"), checkpoint=str(folder / "final.pt"), overrides=self.evaluate))
 
 
 @dataclass(frozen=True)
@@ -86,11 +74,10 @@ class Experiment:
     seeds: int
     small_epochs: int
     evaluation: dict           # per scale ('default' for the rest): scales.Evaluation
+    view: View                 # how the result is shown (table columns, figure layout)
     overrides: Callable = lambda setup, arm, value: []
     arm_values: Callable[[str, tuple], tuple] = lambda arm, values: values  # the values an arm runs at
     setups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per scale; default: the first setup
-    # how the result is shown (table columns, figure layout): aggregate.VIEWS[name]
-    log_x: bool = False
     paper: str = "000"         # the paper (papers/<paper>_*.txt) and its numbers file paper_numbers/<paper>.yaml
     scales: tuple[str, ...] = SCALES  # the scales it runs at
     # planner(experiment, scale, data, out, seeds, device, progress) -> (runs, notes); None: experiments.plan's

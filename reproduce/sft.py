@@ -26,12 +26,15 @@ jigsaw4, and their average.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
 from fastanchor.reproduce.er import pretrain_step
-from fastanchor.reproduce.runs import Experiment, Run, Step
+from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, setups
+from fastanchor.reproduce.steps import FinetuneOOD, OODSets, SFTControl, Train
 from fastanchor.evaluation.sft_tables import PAPER_STEP
 
 # setup -> (model.name, the paper's model it stands for ('' : none; the paper reports SFT does not suit BatchNorm))
@@ -70,14 +73,38 @@ def setting_folder(extra: list[str]) -> str:
     return "+".join(re.sub(r"[^A-Za-z0-9.-]", "-", o.removeprefix("finetune_ood.")).replace("=", "") for o in changes)
 
 
+def base_steps(scale: str, data: str, out: str, name: str, seed: int, device: str, progress: bool) -> tuple:
+    """The steps that make setup `name`'s base model at `seed` and the OOD sets every fine-tune reads: the pretraining
+    (`-pretrained` setups), the base's training into <out>/sft/base/<name>-s<seed>/, the sets into <out>/sft/ood_sets/."""
+    setup = next(iter(setups(scale, data).values()))
+    root = next(o.split("=", 1)[1] for o in setup.train if o.startswith("data.root="))
+    home = Path(out) / "sft"
+    quiet = [f"train.progress={str(progress).lower()}"]
+    model_setup = name.removesuffix(PRETRAINED)
+    model, _ = MODELS[model_setup]
+    pretrain = (pretrain_step(scale, setup, out, home / "pretrain", model_setup,
+                              (f"model.name={model}", f"train.device={device}", *quiet))
+                if name != model_setup else None)
+    base_name = f"{name}-s{seed}"
+    train = (*setup.train, f"model.name={model}", "anchor.enabled=false", f"train.seed={seed}",
+             f"train.out_dir={home / 'base'}", f"train.run_name={base_name}", f"train.device={device}", *quiet,
+             *([f"model.init_checkpoint={pretrain.output}", *BASE_FROM_PRETRAINED[scale]] if pretrain else []))
+    base = Train(str(home / "base" / base_name / "final.pt"), recipe=setup.standard, overrides=train)
+    sets = OODSets(str(home / "ood_sets"), data=root, count=OOD_SET_IMAGES[scale])
+    return (*([pretrain] if pretrain else []), base, sets)
+
+
+def ood_evaluation(out: str) -> list[str]:
+    """The overrides that evaluate a fine-tune on the shapes, the textures and the two sets of <out>/sft/ood_sets/."""
+    sets = Path(out) / "sft" / "ood_sets"
+    return [f"eval.ood_sets=[pseudo_ood={sets / 'pseudo_ood'}, jigsaw4={sets / 'jigsaw4'}]", "data.far_ood_split=ood_textures"]
+
+
 def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
              progress: bool = True) -> tuple[list[Run], list[str]]:
     """Every fine-tune of the table, for every model and seed (module docstring)."""
     setup = next(iter(setups(scale, data).values()))
-    root = next(o.split("=", 1)[1] for o in setup.train if o.startswith("data.root="))
     count = seeds or (1 if scale == "tiny" else experiment.seeds)
-    home = Path(out) / "sft"
-    sets = home / "ood_sets"
     quiet = [f"train.progress={str(progress).lower()}"]
     rows = SETTINGS[experiment.name]
     if scale == "tiny":
@@ -86,30 +113,18 @@ def plan_sft(experiment: Experiment, scale: str, data: str, out: str, seeds: int
                 else [r for r in rows if r[3] in kept] if kept else rows)
     runs = []
     for name in experiment.setups.get(scale, tuple(MODELS)):
-        model_setup = name.removesuffix(PRETRAINED)
-        model, _ = MODELS[model_setup]
-        pretrain = (pretrain_step(scale, setup, out, home / "pretrain", model_setup,
-                                  (f"model.name={model}", f"train.device={device}", *quiet))
-                    if name != model_setup else None)
         for seed in range(count):
-            base_name = f"{name}-s{seed}"
-            base = home / "base" / base_name
-            train = (*setup.train, f"model.name={model}", "anchor.enabled=false", f"train.seed={seed}",
-                     f"train.out_dir={home / 'base'}", f"train.run_name={base_name}", f"train.device={device}", *quiet,
-                     *([f"model.init_checkpoint={pretrain.output}", *BASE_FROM_PRETRAINED[scale]] if pretrain else []))
-            base_step = Step("train", str(base / "final.pt"), recipe=setup.standard, overrides=train)
-            sets_step = Step("ood-sets", str(sets), data=root, folder=str(sets), count=OOD_SET_IMAGES[scale])
+            steps = base_steps(scale, data, out, name, seed, device, progress)
+            base = steps[-2]
             for setting, extra, suffix, value in rows:
                 tiny = [f"finetune_ood.steps={TINY_STEPS}"] if scale == "tiny" and experiment.name != "sft-tab5" else []
-                folder = home / "finetune" / base_name / setting_folder([*extra, *tiny])
-                evaluation = [f"eval.ood_sets=[pseudo_ood={sets / 'pseudo_ood'}, jigsaw4={sets / 'jigsaw4'}]",
-                              "data.far_ood_split=ood_textures", f"eval.seed={seed}", f"finetune_ood.seed={seed}",
+                folder = Path(out) / "sft" / "finetune" / f"{name}-s{seed}" / setting_folder([*extra, *tiny])
+                evaluation = [*ood_evaluation(out), f"eval.seed={seed}", f"finetune_ood.seed={seed}",
                               *([f"eval.max_images={setup.max_images}"] if scale == "tiny" else [])]
-                finetune = Step("finetune-ood", str(folder / "summary.json"), checkpoint=str(base / "final.pt"),
-                                folder=str(folder), overrides=(*PAPER_STEP, *extra, *tiny, *evaluation, *quiet))
+                finetune = FinetuneOOD(str(folder / "summary.json"), checkpoint=base.output, folder=str(folder),
+                                       overrides=(*PAPER_STEP, *extra, *tiny, *evaluation, *quiet))
                 runs.append(Run(experiment.name, f"{name}-{setting}-s{seed}", name, suffix, value, seed, setup.standard,
-                                train, (), steps=(*([pretrain] if pretrain else []), base_step, sets_step, finetune),
-                                result=finetune.output, where=str(folder)))
+                                base.overrides, (), steps=(*steps, finetune), result=finetune.output, where=str(folder)))
     return runs, []
 
 
@@ -143,6 +158,12 @@ def sft_rows(run: Run, result: dict) -> list[tuple[str, object, dict[str, float]
 
 SMALL_EPOCHS = 24  # the demo recipe's own (the base models train as `fastanchor demo`'s standard model)
 SFT_EVALUATION = {"default": Evaluation(corruptions=False, ood=True)}
+# the tables: ID top-1 and its change, then AUROC and FPR95 per OOD set, then the losses after
+COLUMNS = ("id_top1", "id_top1_change", *(f"{s}_auroc" for s in SETS), *(f"{s}_fpr95" for s in SETS),
+           "ood_loss_first", "ood_loss_last")
+BARS = View(COLUMNS, "bars_metrics", tuple(f"{s}_auroc" for s in SETS), "energy AUROC (%)", ((("id_top1",), "ID top-1 (%)"),),
+            plot_arms=r"energy.*")
+CURVE = View(COLUMNS, "curve", ("average_auroc", "textures_auroc", "id_top1"), "", plot_arms=r"energy.*")  # a swept setting
 SFT_SETUPS = {"tiny": ("resnet_tiny-bn", "resnet_tiny-gn")}  # CI: the two small CNNs (convnext_atto planned at small)
 # sft-pretrained: the norm-layer models the paper's claim is about, from scratch (sft-tab1-2's runs) and pretrained
 PRETRAINED_SETUPS = {"tiny": ("resnet_tiny-gn", "resnet_tiny-gn" + PRETRAINED),
@@ -153,7 +174,7 @@ SETUP_PAPERS = {name + end: paper for name, (_, paper) in MODELS.items() for end
 def sft_experiment(name: str, title: str, source: str, axis: str = "", models: dict = SFT_SETUPS) -> Experiment:
     values = tuple(dict.fromkeys(v for *_, v in SETTINGS[name]))
     return Experiment(name, title, source, axis, {"default": values}, tuple(s for s, *_ in SETTINGS[name]), 3,
-                      SMALL_EPOCHS, SFT_EVALUATION, setups=models, paper="002", scales=("tiny", "small"),
+                      SMALL_EPOCHS, SFT_EVALUATION, CURVE if axis else BARS, setups=models, paper="002", scales=("tiny", "small"),
                       planner=plan_sft, rows=sft_rows, strict_paper_setup=True, setup_papers=SETUP_PAPERS,
                       paper_also=("sft-tab1-2",) if name != "sft-tab1-2" else ())
 
@@ -169,3 +190,82 @@ SFT_EXPERIMENTS = (
     sft_experiment("sft-pretrained", "SFT on GN and LN models pretrained on a larger set vs the same from scratch",
                    "Tables 1 and 2, whose models are pretrained", models=PRETRAINED_SETUPS),
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# sft-control: the plain-torch control (sft_control.py) against finetune-ood over seeds (sft_control_sweep.py)
+
+HEADER = """# The plain-torch SFT control against `finetune-ood`, over fine-tuning seeds
+
+Each block is one base model's sweep (its JSON in the experiment's folder, with every seed's numbers and the
+overrides): from the same checkpoint, the control (reproduce/sft_control.py, plain torch) and the project
+(`finetune_ood`) fine-tune with the paper's step on the same ID batches per seed, with their own pseudo-OOD draws.
+Numbers after fine-tuning, in %, mean ± standard deviation over the seeds; "within noise": |difference| <= 2 x its
+standard error. This table is generated: `fastanchor reproduce sft-control`.
+"""
+
+
+def within_noise(control: dict, project: dict, n: int) -> tuple[float, bool]:
+    """The difference of the means (project - control) and whether it is within twice its standard error."""
+    difference = project["mean"] - control["mean"]
+    error = math.sqrt((control["std"] ** 2 + project["std"] ** 2) / n)
+    return difference, abs(difference) <= 2 * error
+
+
+def block(name: str, result: dict) -> list[str]:
+    n = len(result["seeds"])
+    lines = [f"## {name}", "", f"- checkpoint: `{result['checkpoint']}`; seeds: {', '.join(map(str, result['seeds']))}", "",
+             "| after fine-tuning | control | project | project - control | within noise |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for key, control in result["control"]["after"].items():
+        project = result["project"]["after"][key]
+        scale = 1 if key == "top1" else 100  # AUROC is stored as a fraction
+        c, p = ({k: scale * v for k, v in side.items()} for side in (control, project))
+        difference, ok = within_noise(c, p, n)
+        label = "ID top-1" if key == "top1" else f"energy AUROC, {key.split('/', 1)[1]}"
+        lines.append(f"| {label} | {c['mean']:.2f} ± {c['std']:.2f} | {p['mean']:.2f} ± {p['std']:.2f} | "
+                     f"{difference:+.2f} | {'yes' if ok else 'no'} |")
+    return lines + [""]
+
+
+def control_table(result: dict) -> list[str]:
+    """The experiment's table: a block per base model's sweep (`control_result`)."""
+    if not result["sweeps"]:
+        return ["No sweep has finished yet."]
+    return [*HEADER.split("\n")[2:], *(line for name, sweep in result["sweeps"].items() for line in block(name, sweep))]
+
+
+CONTROL_MODELS = {"tiny": ("resnet_tiny-gn",), "small": ("resnet_tiny-gn", "convnext_atto-ln", "convnext_atto-ln" + PRETRAINED)}
+CONTROL_SEEDS = {"tiny": (0, 1), "small": (0, 1, 2)}
+
+
+def plan_control(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
+                 progress: bool = True) -> tuple[list[Run], list[str]]:
+    """Per norm-layer model: its seed-0 base model and the OOD sets (shared with the SFT tables), then the sweep."""
+    runs = []
+    for name in CONTROL_MODELS[scale]:
+        steps = base_steps(scale, data, out, name, 0, device, progress)
+        base = steps[-2]
+        fine_tuning = [*PAPER_STEP, *([f"finetune_ood.steps={TINY_STEPS}"] if scale == "tiny" else []), *ood_evaluation(out)]
+        count = CONTROL_SEEDS[scale] if not seeds else tuple(range(seeds))
+        sweep_step = SFTControl(str(Path(out) / experiment.name / f"{name}-s0.json"), checkpoint=base.output, seeds=count,
+                                overrides=tuple(fine_tuning))
+        runs.append(Run(experiment.name, f"{name}-s0", name, "control", None, 0, base.recipe, base.overrides, (),
+                        steps=(*steps, sweep_step), result=sweep_step.output, where=str(Path(out) / experiment.name)))
+    return runs, []
+
+
+def control_result(experiment: Experiment, runs: list[Run], out: Path, scale: str, paper: dict) -> dict:
+    """Every finished sweep by its base model's name; the runs without one as missing."""
+    done = [r for r in runs if r.result_file(out).is_file()]
+    return {"kind": "sft-control", "runs": [{"run": r.name, "setup": r.setup, "arm": r.arm, "value": None, "seed": r.seed,
+                                             "metrics": {}} for r in done],
+            "missing": [r.name for r in runs if r not in done], "summary": [],
+            "sweeps": {r.name: json.loads(r.result_file(out).read_text()) for r in done}, "figure": ""}
+
+
+SFT_CONTROL = Experiment(
+    "sft-control", "the plain-torch SFT control against finetune-ood over fine-tuning seeds, on the norm-layer models",
+    "Tables 1 and 2's step, implemented twice", "", {"default": (None,)}, ("control",), 3, 0, SFT_EVALUATION,
+    View((), "copy", table=control_table), paper="002", scales=("tiny", "small"), planner=plan_control,
+    aggregator=control_result)

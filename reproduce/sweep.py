@@ -10,56 +10,19 @@ sweep goes on where it stopped when the same command runs again.
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
-from fastanchor.reproduce.aggregate import aggregate, write_results
+from fastanchor.reproduce.aggregate import aggregate
 from fastanchor.reproduce.experiments import EXPERIMENTS, Experiment, Run, plan
 from fastanchor.reproduce.options import ReproduceOptions
-from fastanchor.reproduce.record import write_index, write_record
-from fastanchor.reproduce.runs import Step
+from fastanchor.reproduce.record import write_index, write_record, write_results
 from fastanchor.reproduce.scales import setups
-
-
-def python_line(code: str) -> str:
-    """A `python -c` command line (for --dry-run) of the steps that have no command of their own."""
-    return shlex.join(["python", "-c", code])
-
-
-def step_line(step: Step, device: str) -> str:
-    """The command line of one step (`fastanchor ...`, or `python ...` for the steps without a command)."""
-    sets = [a for o in step.overrides for a in ("--set", o)]
-    if step.kind == "train":
-        return shlex.join(["fastanchor", "train", "--config", step.recipe, "--resume", "auto", *sets])
-    if step.kind == "evaluate":
-        return shlex.join(["fastanchor", "evaluate", "--checkpoint", step.checkpoint, "--device", device, *sets])
-    if step.kind == "link":
-        return shlex.join(["ln", "-L", "-f", step.checkpoint, step.output])
-    if step.kind == "finetune-ood":
-        return shlex.join(["fastanchor", "finetune-ood", "--checkpoint", step.checkpoint, "--out", step.folder,
-                           "--device", device, *sets])
-    if step.kind == "robustness":
-        runs = [a for r in step.runs for a in ("--run", r)]
-        return shlex.join(["fastanchor", "robustness", *runs, "--baseline", step.baseline, "--device", device,
-                           "--plot", str(Path(step.folder) / "robustness_over_training.png"), *sets])
-    if step.kind == "ood-sets":
-        return shlex.join(["python", "-m", "fastanchor.benchmarks.sft_ood_sets", step.data, step.folder,
-                           "--images", str(step.count)])
-    if step.kind == "testbed":
-        members = {name: list(member) for name, member in step.members}
-        return python_line("from fastanchor.evaluation.testbed import build_testbed; "
-                           f"build_testbed({step.folder!r}, {members!r}, recipe={step.recipe!r}, "
-                           f"overrides={list(step.overrides)!r}, device={device!r})")
-    if step.kind == "er-summary":
-        groups = {label: list(runs) for label, runs in step.groups}
-        return python_line("from fastanchor.evaluation.er_summary import summarise_groups; "
-                           f"summarise_groups({groups!r}, {step.folder!r})")
-    raise ValueError(f"unknown step kind {step.kind!r}")
+from fastanchor.reproduce.steps import Train
 
 
 def command_lines(run: Run, out: str | Path, device: str) -> tuple[str, ...]:
     """The command lines of a run's steps (an anchoring run: its `fastanchor train` and `fastanchor evaluate`)."""
-    return tuple(step_line(step, device) for step in run.all_steps(out))
+    return tuple(step.line(device) for step in run.all_steps(out))
 
 
 def state_of(run: Run, out: str | Path) -> str:
@@ -71,54 +34,6 @@ def state_of(run: Run, out: str | Path) -> str:
     folder = run.folder(out)
     final, evaluation = (folder / "final.pt").exists(), (folder / "eval.json").is_file()
     return "done" if final and evaluation else "trained" if final else "started" if folder.exists() else "new"
-
-
-COUNTED = {"train": "trained", "evaluate": "evaluated", "link": "linked", "finetune-ood": "fine-tuned", "ood-sets": "OOD sets made",
-           "testbed": "testbeds fitted", "robustness": "robustness measured", "er-summary": "ER binned"}
-
-
-def run_step(step: Step, device: str, progress: bool) -> None:
-    """One step through the function its command calls."""
-    from fastanchor.trainer.config import load_config
-
-    if step.kind == "train":
-        from fastanchor.trainer.train import train
-
-        train(load_config(step.recipe, step.overrides), resume="auto")
-    elif step.kind == "evaluate":
-        from fastanchor.evaluation.evaluate import evaluate_checkpoint
-
-        evaluate_checkpoint(step.checkpoint, step.overrides, device, progress)
-    elif step.kind == "link":
-        from fastanchor.files import link_file
-
-        link_file(Path(step.checkpoint), Path(step.output))
-    elif step.kind == "finetune-ood":
-        from fastanchor.evaluation.finetune_ood import finetune_ood
-
-        finetune_ood(step.checkpoint, step.overrides, device, step.folder, progress)
-    elif step.kind == "ood-sets":
-        from fastanchor.pipeline.shifts.pseudo_ood_sets import write_sets
-
-        write_sets(Path(step.data), Path(step.folder), count=step.count)
-    elif step.kind == "testbed":
-        from fastanchor.evaluation.testbed import build_testbed
-
-        build_testbed(step.folder, {name: list(member) for name, member in step.members}, recipe=step.recipe,
-                      overrides=step.overrides, device=device)
-    elif step.kind == "robustness":
-        from fastanchor.evaluation.robustness import robustness_over_training
-        from fastanchor.evaluation.specs import RobustnessSpec
-
-        spec = RobustnessSpec(baseline=step.baseline, overrides=list(step.overrides))
-        robustness_over_training([Path(r) for r in step.runs], spec, device,
-                                 Path(step.folder) / "robustness_over_training.png")
-    elif step.kind == "er-summary":
-        from fastanchor.evaluation.er_summary import summarise_groups
-
-        summarise_groups({label: list(runs) for label, runs in step.groups}, step.folder)
-    else:
-        raise ValueError(f"unknown step kind {step.kind!r}")
 
 
 def execute(runs: list[Run], out: str | Path, device: str, progress: bool, max_runs: int = 0) -> dict[str, int]:
@@ -137,7 +52,7 @@ def execute(runs: list[Run], out: str | Path, device: str, progress: bool, max_r
         for step in steps:
             if step.done():
                 continue
-            if step.kind == "train":
+            if isinstance(step, Train):
                 if max_runs and counts["trained"] >= max_runs:
                     print(f"stopped after training {max_runs} run(s) (--max-runs): the same command goes on from {run.name}")
                     return counts
@@ -146,9 +61,9 @@ def execute(runs: list[Run], out: str | Path, device: str, progress: bool, max_r
                 what = "training" if trained == run.folder(out) else f"training {trained.parent.name}/{trained.name}"
                 print(f"{where}: {what}" + (" (resuming)" if started else ""), flush=True)
             else:
-                print(f"{where}: {'evaluating' if step.kind == 'evaluate' else step.kind}", flush=True)
-            run_step(step, device, progress)
-            counts[COUNTED[step.kind]] = counts.get(COUNTED[step.kind], 0) + 1
+                print(f"{where}: {step.label}", flush=True)
+            step.run(device, progress)
+            counts[step.counted] = counts.get(step.counted, 0) + 1
     return counts
 
 
@@ -164,10 +79,9 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     result = aggregate(experiment, runs, Path(options.out), scale, papers)
     result["command"] = command
     paths = write_results(result, Path(options.out) / experiment.name, whole)
-    print(f"{len(runs) - len(result['missing'])} of {len(runs)} runs aggregated: {paths['result.json']}, {paths['result.md']}, "
-          f"{paths['result.png']}")
+    print(f"{len(runs) - len(result['missing'])} of {len(runs)} runs aggregated: {', '.join(map(str, paths.values()))}")
     if options.record:
-        written = write_record(result, paths["result.png"], Path(options.record) / experiment.name)
+        written = write_record(result, paths.get("result.png"), Path(options.record) / experiment.name)
         print(f"record written: {written} (and the index {write_index(Path(options.record))})")
     return result
 

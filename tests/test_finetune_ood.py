@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
-from fastanchor.benchmarks.sft_demo_sweep import run_setting
-from fastanchor.benchmarks.sft_demo_table import header, sweep_rows
+from fastanchor.reproduce.record import readme
+from fastanchor.reproduce.sft_demo import sweep_rows
+from fastanchor.reproduce.steps import finetune_kept_summary
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255
 from fastanchor.kernels.pseudo_ood import allowed_grids
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
@@ -154,10 +155,11 @@ def test_an_existing_summary_is_not_overwritten(runs, tmp_path):
 
 
 def test_the_committed_sft_sweep_table_is_generated_from_its_result_files():
-    folder = Path(__file__).resolve().parents[1] / "results" / "sft_demo"
-    rows = sweep_rows(folder)
-    assert len(rows) == 2 + len(list(folder.glob("*/*/summary.json"))) > 2
-    assert (folder / "README.md").read_text() == header(folder) + "\n".join(rows) + "\n"
+    folder = Path(__file__).resolve().parents[1] / "results" / "reproduce" / "sft-demo"
+    result = json.loads((folder / "result.json").read_text())
+    rows = sweep_rows(result["summaries"])
+    assert len(rows) == 2 + len(result["summaries"]) == 2 + 2 * 14
+    assert (folder / "README.md").read_text() == readme(result) and "\n".join(rows) in readme(result)
 
 
 @pytest.mark.parametrize("batchnorm", ["keep", "id_batches"])
@@ -181,12 +183,12 @@ def test_keep_leaves_the_running_statistics_as_trained_while_the_weights_move(ru
 def test_the_sweep_records_each_setting_with_its_command_and_tabulates_it(runs, tmp_path):
     checkpoint = runs / "standard" / "final.pt"
     overrides = ["finetune_ood.steps=2", "finetune_ood.ood_weight=0"]
-    run_setting(checkpoint, overrides, tmp_path / "standard" / "ce_only")
+    finetune_kept_summary(checkpoint, overrides, tmp_path / "standard" / "ce_only")
     summary = json.loads((tmp_path / "standard" / "ce_only" / "summary.json").read_text())
     assert summary["command"].endswith("--set finetune_ood.steps=2 --set finetune_ood.ood_weight=0")
     assert summary["finetune_ood"]["steps"] == 2 and summary["finetune_ood"]["ood_weight"] == 0
     assert not list(tmp_path.rglob("*.pt"))  # the fine-tuned weights are not kept
-    rows = sweep_rows(tmp_path)
+    rows = sweep_rows({"standard/ce_only": summary})
     assert len(rows) == 3 and rows[2].startswith("| standard | ce_only |")
 
 
@@ -224,7 +226,7 @@ def test_every_ood_set_is_evaluated_before_and_after_and_the_losses_are_logged(r
 
 
 def test_every_sft_table_setting_is_a_valid_finetune_ood_config_and_its_summary_flattens(runs, tmp_path):
-    from fastanchor.benchmarks.sft_tables import SFT_TABLES, overrides, table_values
+    from fastanchor.evaluation.sft_tables import SFT_TABLES, overrides, table_values
     from fastanchor.trainer.config import load_config, set_value, validate
     from fastanchor.options.recipes import parse_override
 
@@ -250,8 +252,8 @@ def test_every_sft_table_setting_is_a_valid_finetune_ood_config_and_its_summary_
 
 def test_the_sft_papers_numbers_load_for_every_table_setting():
     """reproduce/paper_numbers/002.yaml is read by the reproduce machinery's own loader; each of its experiments is a
-    table of benchmarks/sft_tables.py, every row has a number per column, and Table 5's sweep holds its step counts."""
-    from fastanchor.benchmarks.sft_tables import SFT_TABLES
+    table of evaluation/sft_tables.py, every row has a number per column, and Table 5's sweep holds its step counts."""
+    from fastanchor.evaluation.sft_tables import SFT_TABLES
     from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
     import yaml
 

@@ -20,15 +20,16 @@ import pytest
 import yaml
 
 from conftest import TINY_SPEC, run_cli, run_main
-from fastanchor.reproduce.aggregate import PAPER_NUMBERS, VIEWS, paper_numbers
+from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
 from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan
 from fastanchor.reproduce.record import regenerate
+from fastanchor.reproduce.runs import View
 from fastanchor.reproduce.scales import TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
 from fastanchor.trainer.config import load_config
 
 ANCHORING = [name for name, e in EXPERIMENTS.items() if e.paper == "000"]
-SFT = [name for name, e in EXPERIMENTS.items() if e.paper == "002"]
+SFT = [name for name, e in EXPERIMENTS.items() if e.paper == "002" and name not in ("sft-control", "sft-demo")]  # the tables
 
 
 def reproduce(*args):
@@ -110,7 +111,7 @@ def test_dry_run_fig1_sweeps_the_fixed_reference_set_from_5_to_the_training_set(
 def test_paper_numbers_are_typed_once_with_their_source():
     data = yaml.safe_load((PAPER_NUMBERS / "000.yaml").read_text())
     assert set(data["experiments"]) == {name for name, e in EXPERIMENTS.items() if e.paper == "000"}
-    assert set(VIEWS) == set(EXPERIMENTS)  # every experiment says how its result is shown
+    assert all(isinstance(e.view, View) for e in EXPERIMENTS.values())  # every experiment says how its result is shown
     for name, block in data["experiments"].items():
         assert block["tables"] or block["not_typed"], f"{name}: neither numbers nor a note on why none"
         for table in block["tables"]:
@@ -162,7 +163,7 @@ def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
     runs, _ = plan(EXPERIMENTS[experiment], "tiny", str(tiny_dataset), str(out))
     assert f"{len(runs)} trained, {len(runs)} evaluated, 0 skipped" in stdout
     result = check_result(experiment, out, runs)
-    view = VIEWS[experiment]
+    view = EXPERIMENTS[experiment].view
     assert any(re.fullmatch(p, m) for g in result["summary"] for m in g["metrics"] for p in view.plot_metrics)
     if experiment == "fig2":  # every protocol on the shift sets too, with its time
         assert all({"c_top1_k", "c_top1_blt", "ms_k_pooled", "ms_blt_pooled"} <= set(g["metrics"]) for g in result["summary"])
@@ -251,7 +252,7 @@ def test_a_half_trained_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
 def test_metrics_of_a_hand_made_evaluation():
     """Every key of the aggregation from a hand-written eval.json: per-severity means per benchmark (C and
     C-bar apart), the per-protocol block, OOD AUROC in percent and the paper's Vision OOD mean."""
-    from fastanchor.reproduce.aggregate import metrics_of
+    from fastanchor.reproduce.extract import metrics_of
 
     result = {
         "id": {"top1": 90.0, "top1_k10": 91.0, "top1_blt": 89.0},
@@ -393,7 +394,7 @@ def test_sft_and_er_dry_runs_at_small_scale_parse(tmp_path):
     from fastanchor.cli import build_parser
 
     out = tmp_path / "out"
-    for experiment in [*SFT, "er-testbed", "er-finetune"]:
+    for experiment in [*SFT, "sft-control", "er-testbed", "er-finetune"]:
         text = reproduce(experiment, "--out", out, "--dry-run").stdout
         runs, _ = plan(EXPERIMENTS[experiment], "small", "", str(out))
         lines = [shlex.split(line) for line in text.splitlines() if line.startswith(("fastanchor ", "python "))]
@@ -421,6 +422,23 @@ def test_sft_and_er_dry_runs_at_small_scale_parse(tmp_path):
                                                         if pretrained)
     result = run_main("reproduce", "sft-tab5", "--scale", "cifar", "--data", tmp_path, "--dry-run")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and "tiny, small" in result.stderr
+
+
+def test_sft_demo_dry_run_trains_the_demo_models_once_and_fine_tunes_each_per_setting(tmp_path):
+    """sft-demo: the two demo models (the demo recipe as it ships, standard and anchored), each trained once, then one
+    kept-summary fine-tune per setting of each: 14 at small scale, with the setting's overrides on the recipe's."""
+    from fastanchor.reproduce.sft_demo import SETTINGS
+
+    out = tmp_path / "out"
+    text = reproduce("sft-demo", "--out", out, "--dry-run").stdout
+    trains = [shlex.split(line) for line in text.splitlines() if line.startswith("fastanchor train")]
+    assert len(trains) == 2 * len(SETTINGS) and len({tuple(t) for t in trains}) == 2 and not out.exists()
+    configs = {load_config(t[3], sets(t)).anchor.enabled: load_config(t[3], sets(t)) for t in trains}
+    assert set(configs) == {False, True} and all(c.train.epochs == load_config("demo", []).train.epochs
+                                                 for c in configs.values())
+    fine_tunes = [shlex.split(line)[2] for line in text.splitlines() if "finetune_kept_summary(" in line]  # python -c CODE
+    sgd = [code for code in fine_tunes if code.endswith("/sgd'), device='auto')")]
+    assert len(fine_tunes) == 2 * len(SETTINGS) and len(sgd) == 2 and all(repr(SETTINGS["sgd"]) in code for code in sgd)
 
 
 def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
@@ -475,7 +493,21 @@ def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
 
 def test_swept_values_are_tabled_in_numeric_order():
     """alpha 0.25 before 0.5 (not as text, where '0.5' < '0.25'), |R| 5 before 50, the whole set last."""
-    from fastanchor.reproduce.aggregate import value_order
+    from fastanchor.reproduce.tables import value_order
 
     assert sorted([0.5, "whole", 0.25, 50, 5, 1.0], key=value_order) == [0.25, 0.5, 1.0, 5, 50, "whole"]
     assert sorted(["pixmix", "augmix", "geometric"], key=value_order) == ["augmix", "geometric", "pixmix"]
+
+
+def test_every_step_kind_is_one_entry_with_its_line_function_label_and_count(tmp_path):
+    """The step-kind table: each kind's class carries its command line, the function it runs, its label and what the
+    sweep counts; no two kinds share a name or a count, and every kind an experiment plans is in the table."""
+    import fastanchor.reproduce.steps as steps
+
+    kinds = steps.STEP_KINDS
+    assert len({k.counted for k in kinds.values()}) == len(kinds) and all(k.label and k.counted for k in kinds.values())
+    assert all(kind.kind == name and kind.line is not steps.Step.line and kind.run is not steps.Step.run
+               for name, kind in kinds.items())
+    planned = {type(step) for e in EXPERIMENTS.values() if "small" in e.scales
+               for run in plan(e, "small", "", str(tmp_path))[0] for step in run.all_steps(tmp_path)}
+    assert planned <= set(kinds.values()) and {steps.Train, steps.Evaluate, steps.FinetuneOOD} <= planned

@@ -1,4 +1,4 @@
-"""The plain-torch SFT control (benchmarks/sft_control.py) against fastanchor's own step: the same model, ID batch
+"""The plain-torch SFT control (reproduce/sft_control.py) against fastanchor's own step: the same model, ID batch
 (real JPEGs through the real loader) and pseudo-OOD images give the same weights after SAM-on-norm and after plain
 SGD steps, to ~1e-6; the control's own jigsaw, channel shuffle and AUROC checked against hand rules and sklearn."""
 
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main, tiny_overrides
-from fastanchor.benchmarks import sft_control as control
-from fastanchor.benchmarks.sft_control_sweep import main
+from fastanchor.reproduce import sft_control as control
 from fastanchor.kernels.pseudo_ood import pseudo_ood
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
@@ -84,26 +83,35 @@ def test_the_controls_auroc_is_sklearns(batch):
 
 
 def test_the_sweep_runs_control_and_project_from_one_checkpoint_and_they_agree_before(tiny_dataset, tmp_path):
-    trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
-        "model.name": "fastanchor_resnet_tiny_gn", "anchor.enabled": "false", "train.run_name": "gn"}))
-    assert trained.returncode == 0, trained.stderr
-    out = tmp_path / "sweep.json"
-    main([str(tmp_path / "gn" / "final.pt"), "--seeds", "0", "1", "--set", "finetune_ood.steps=2",
-          "--set", "data.far_ood_split=ood_textures", "--out", str(out)])
-    result = json.loads(out.read_text())
+    """`fastanchor reproduce sft-control` at tiny size: the GroupNorm base model trained, the OOD sets made, then both
+    implementations fine-tune it over seeds 0 and 1; a second call finds the sweep done and runs nothing."""
+    out = tmp_path / "out"
+    args = ("reproduce", "sft-control", "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress",
+            "--record", tmp_path / "record")
+    first = run_main(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "1 trained, 0 evaluated, 0 skipped (already done), 1 OOD sets made, 1 control sweeps" in first.stdout
+    result = json.loads((out / "sft-control" / "resnet_tiny-gn-s0.json").read_text())
+    assert result["checkpoint"] == str(out / "sft" / "base" / "resnet_tiny-gn-s0" / "final.pt")
     assert result["seeds"] == [0, 1] and len(result["control"]["runs"]) == len(result["project"]["runs"]) == 2
+    sets = ["ood", "ood_textures", "pseudo_ood", "jigsaw4"]
     for ours, theirs in zip(result["control"]["runs"], result["project"]["runs"]):
         # the same checkpoint measured by two independent code paths
         assert ours["before"]["top1"] == pytest.approx(theirs["before"]["top1"], abs=1e-9)
-        assert list(ours["before"]["energy_auroc"]) == ["ood", "ood_textures"]
+        assert list(ours["before"]["energy_auroc"]) == sets
         for name, value in ours["before"]["energy_auroc"].items():
             assert value == pytest.approx(theirs["before"]["energy_auroc"][name], abs=1e-3)
-    assert set(result["control"]["after"]) == {"top1", "energy_auroc/ood", "energy_auroc/ood_textures"}
+    assert set(result["control"]["after"]) == {"top1", *(f"energy_auroc/{name}" for name in sets)}
+    table = (out / "sft-control" / "result.md").read_text()
+    assert "## resnet_tiny-gn-s0" in table and "| energy AUROC, jigsaw4 |" in table
+    assert json.loads((tmp_path / "record" / "sft-control" / "result.json").read_text())["sweeps"]["resnet_tiny-gn-s0"] == result
+    again = run_main(*args)
+    assert again.returncode == 0 and "0 trained, 0 evaluated, 1 skipped (already done)" in again.stdout
 
 
 def test_the_pseudo_ood_and_jigsaw_sets_are_permutations_of_validation_images_and_evaluate_reads_them(tiny_dataset, tmp_path):
     from PIL import Image
-    from fastanchor.benchmarks.sft_ood_sets import write_sets
+    from fastanchor.pipeline.shifts.pseudo_ood_sets import write_sets
 
     folders = write_sets(tiny_dataset, tmp_path / "sets", count=10, seed=1)
     assert [f.name for f in folders] == ["pseudo_ood", "jigsaw4"]
@@ -129,16 +137,15 @@ def test_the_pseudo_ood_and_jigsaw_sets_are_permutations_of_validation_images_an
     assert json.loads((tmp_path / "std" / "eval.json").read_text())["ood"]["over"] == ["ood", "pseudo_ood", "jigsaw4"]
 
 
-def test_control_table_judges_seed_noise_by_hand(tmp_path):
+def test_control_table_judges_seed_noise_by_hand():
     """The generated table's verdict, worked by hand: ID 80 ± 3 vs 82 ± 4 over 3 seeds differ by 2, under twice the
     standard error sqrt((9 + 16) / 3) = 2.89; AUROC 90 ± 1 vs 95 ± 1 differ by 5, over twice sqrt(2 / 3) = 0.82."""
-    from fastanchor.benchmarks.sft_control_table import write_table
+    from fastanchor.reproduce.sft import control_table
 
     result = {"checkpoint": "base/final.pt", "seeds": [0, 1, 2],
               "control": {"after": {"top1": {"mean": 80.0, "std": 3.0}, "energy_auroc/textures": {"mean": 0.90, "std": 0.01}}},
               "project": {"after": {"top1": {"mean": 82.0, "std": 4.0}, "energy_auroc/textures": {"mean": 0.95, "std": 0.01}}}}
-    (tmp_path / "gn-s0.json").write_text(json.dumps(result))
-    text = write_table(tmp_path).read_text()
-    assert "## gn-s0" in text
-    assert "| ID top-1 | 80.00 ± 3.00 | 82.00 ± 4.00 | +2.00 | yes |" in text
-    assert "| energy AUROC, textures | 90.00 ± 1.00 | 95.00 ± 1.00 | +5.00 | no |" in text
+    lines = control_table({"sweeps": {"gn-s0": result}})
+    assert "## gn-s0" in lines
+    assert "| ID top-1 | 80.00 ± 3.00 | 82.00 ± 4.00 | +2.00 | yes |" in lines
+    assert "| energy AUROC, textures | 90.00 ± 1.00 | 95.00 ± 1.00 | +5.00 | no |" in lines

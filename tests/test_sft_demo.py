@@ -1,8 +1,9 @@
 """SFT on the demo model: the demo recipe, trained as `fastanchor demo` trains it (standard and anchored on the
-embedded dataset) but for half its epochs (EPOCHS, so that `make test` stays under 10 minutes), then fine-tuned for
-50 steps with the recipe's SFT settings, keeps ID top-1 within 1 point while the weights do move. About three minutes
-on two CPU cores. The same property on the full recipe's models, over five data orders, is recorded in the
-demo_recipe rows of results/sft_demo/README.md (python -m fastanchor.benchmarks.sft_demo_sweep)."""
+embedded dataset) but for EPOCHS of its 24 epochs (the schedule compressed into them: the models reach well past
+chance, asserted below), then fine-tuned for 50 steps with the recipe's SFT settings, keeps ID top-1 within 1 point on
+the recipe's 2500 validation images while the weights do move. The same property on the full recipe's models, over
+five data orders, is recorded in the demo_recipe rows of results/reproduce/sft-demo/README.md (`fastanchor reproduce
+sft-demo`)."""
 
 import json
 
@@ -12,8 +13,8 @@ from conftest import run_main
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL
 
-pytestmark = [pytest.mark.slow, pytest.mark.first]  # trains the demo recipe twice (minutes): started first
-EPOCHS = 12
+pytestmark = [pytest.mark.slow, pytest.mark.first]  # trains the demo recipe twice: started first
+EPOCHS = 6  # 234 steps, the schedule annealed in them (the 24-epoch runs pass 67% ID top-1 at that step still at full rate)
 
 
 @pytest.fixture(scope="module")

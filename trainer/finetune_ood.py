@@ -15,7 +15,7 @@ with the running statistics, never updated (`frozen`). In every mode the pseudo-
 the whole pass at the ascended weights leave the running statistics untouched (see trainer/sam.py).
 `keep` is for small steps on small models: with momentum 0.1, 50 moving-average updates re-estimate
 the statistics from the last few batches, and that noise alone moves the anchored demo model's ID
-top-1 by more than a point (the bn_ema_only rows of results/sft_demo/README.md).
+top-1 by more than a point (the bn_ema_only rows of results/reproduce/sft-demo/README.md).
 Precision: bf16 autocast where train.amp resolves to bf16 (CUDA), float32 otherwise (fp16 would
 need loss scaling in both SAM passes; 50 steps are cheap).
 """

@@ -1,5 +1,5 @@
 """Two OOD sets made from validation images, for measuring SFT beside the shapes and the textures
-(`python -m fastanchor.benchmarks.sft_ood_sets DATA_ROOT OUT` and `fastanchor reproduce sft-*` write them).
+(`fastanchor reproduce sft-*` writes them: its ood-sets step, reproduce/steps.py).
 
 `write_sets(data_root, out)` writes two ImageFolders (one class folder each, lossless PNG) under OUT:
 

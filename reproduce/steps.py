@@ -1,0 +1,275 @@
+"""The step kinds of a sweep: each is one dataclass carrying everything about it, and `STEP_KINDS` their table.
+
+A step is an ordinary fastanchor command with the file (or folder) whose presence says it is done: the sweep
+(sweep.py) runs every step whose output is missing, in order, and skips the others. Each kind says
+
+    kind      its name (the table's key)
+    line()    its command line (`fastanchor ...`, or `python -c ...` for a step without a command of its own),
+              which --dry-run prints
+    run()     the function that command calls, run in this process
+    label     what the sweep prints while it runs (train steps say which run they train, and whether they resume)
+    counted   how the sweep's closing line counts the steps of this kind that ran
+
+and its own fields. Adding a step kind is one class here and its entry in STEP_KINDS.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def python_line(code: str) -> str:
+    """A `python -c` command line (for --dry-run) of the steps that have no command of their own."""
+    return shlex.join(["python", "-c", code])
+
+
+def sets(overrides: tuple[str, ...]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+@dataclass(frozen=True)
+class Step:
+    output: str  # the file (or folder) whose presence says the step is done
+
+    kind = ""
+    label = ""
+    counted = ""
+
+    def done(self) -> bool:
+        return Path(self.output).exists()
+
+    def line(self, device: str) -> str:
+        raise NotImplementedError
+
+    def run(self, device: str, progress: bool) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Train(Step):
+    """`fastanchor train --config RECIPE --resume auto --set ...`; output <run>/final.pt."""
+
+    recipe: str = ""
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "train", "training", "trained"
+
+    def line(self, device: str) -> str:
+        return shlex.join(["fastanchor", "train", "--config", self.recipe, "--resume", "auto", *sets(self.overrides)])
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.trainer.config import load_config
+        from fastanchor.trainer.train import train
+
+        train(load_config(self.recipe, self.overrides), resume="auto")
+
+
+@dataclass(frozen=True)
+class Evaluate(Step):
+    """`fastanchor evaluate --checkpoint CKPT --set ...`; output <run>/eval.json."""
+
+    checkpoint: str = ""
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "evaluate", "evaluating", "evaluated"
+
+    def line(self, device: str) -> str:
+        return shlex.join(["fastanchor", "evaluate", "--checkpoint", self.checkpoint, "--device", device,
+                           *sets(self.overrides)])
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.evaluation.evaluate import evaluate_checkpoint
+
+        evaluate_checkpoint(self.checkpoint, self.overrides, device, progress)
+
+
+@dataclass(frozen=True)
+class Link(Step):
+    """Another experiment's trained final.pt, hard-linked into this run's folder; output <run>/final.pt."""
+
+    checkpoint: str = ""
+
+    kind, label, counted = "link", "link", "linked"
+
+    def line(self, device: str) -> str:
+        return shlex.join(["ln", "-L", "-f", self.checkpoint, self.output])
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.files import link_file
+
+        link_file(Path(self.checkpoint), Path(self.output))
+
+
+@dataclass(frozen=True)
+class FinetuneOOD(Step):
+    """`fastanchor finetune-ood --checkpoint CKPT --out FOLDER --set ...`; output FOLDER/summary.json."""
+
+    checkpoint: str = ""
+    folder: str = ""
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "finetune-ood", "finetune-ood", "fine-tuned"
+
+    def line(self, device: str) -> str:
+        return shlex.join(["fastanchor", "finetune-ood", "--checkpoint", self.checkpoint, "--out", self.folder,
+                           "--device", device, *sets(self.overrides)])
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.evaluation.finetune_ood import finetune_ood
+
+        finetune_ood(self.checkpoint, self.overrides, device, self.folder, progress)
+
+
+@dataclass(frozen=True)
+class OODSets(Step):
+    """Pseudo-OOD and 4x4-jigsaw sets made from `count` validation images of `data` (pipeline/shifts/
+    pseudo_ood_sets.py); output the folder holding both."""
+
+    data: str = ""
+    count: int = 0
+
+    kind, label, counted = "ood-sets", "ood-sets", "OOD sets made"
+
+    def line(self, device: str) -> str:
+        return python_line("from fastanchor.pipeline.shifts.pseudo_ood_sets import write_sets; "
+                           f"write_sets({self.data!r}, {self.output!r}, count={self.count})")
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.pipeline.shifts.pseudo_ood_sets import write_sets
+
+        write_sets(Path(self.data), Path(self.output), count=self.count)
+
+
+@dataclass(frozen=True)
+class Testbed(Step):
+    """evaluation/testbed.py's build_testbed over the already trained members; output FOLDER/testbed_fit.json."""
+
+    recipe: str = ""
+    folder: str = ""
+    overrides: tuple[str, ...] = ()  # common to every member
+    members: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, overrides) per member
+
+    kind, label, counted = "testbed", "testbed", "testbeds fitted"
+
+    def line(self, device: str) -> str:
+        members = {name: list(member) for name, member in self.members}
+        return python_line("from fastanchor.evaluation.testbed import build_testbed; "
+                           f"build_testbed({self.folder!r}, {members!r}, recipe={self.recipe!r}, "
+                           f"overrides={list(self.overrides)!r}, device={device!r})")
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.evaluation.testbed import build_testbed
+
+        build_testbed(self.folder, {name: list(member) for name, member in self.members}, recipe=self.recipe,
+                      overrides=self.overrides, device=device)
+
+
+@dataclass(frozen=True)
+class Robustness(Step):
+    """`fastanchor robustness --run R ... --baseline B --plot FOLDER/robustness_over_training.png`; output the last
+    run's robustness_over_training.json."""
+
+    runs: tuple[str, ...] = ()
+    baseline: str = ""
+    folder: str = ""
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "robustness", "robustness", "robustness measured"
+
+    def line(self, device: str) -> str:
+        runs = [a for r in self.runs for a in ("--run", r)]
+        return shlex.join(["fastanchor", "robustness", *runs, "--baseline", self.baseline, "--device", device,
+                           "--plot", str(Path(self.folder) / "robustness_over_training.png"), *sets(self.overrides)])
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.evaluation.robustness import robustness_over_training
+        from fastanchor.evaluation.specs import RobustnessSpec
+
+        spec = RobustnessSpec(baseline=self.baseline, overrides=list(self.overrides))
+        robustness_over_training([Path(r) for r in self.runs], spec, device,
+                                 Path(self.folder) / "robustness_over_training.png")
+
+
+@dataclass(frozen=True)
+class ERSummary(Step):
+    """evaluation/er_summary.py's summarise_groups, the ER binned per group; output FOLDER/er_summary.json."""
+
+    folder: str = ""
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (label, run folders) per group
+
+    kind, label, counted = "er-summary", "er-summary", "ER binned"
+
+    def line(self, device: str) -> str:
+        groups = {label: list(runs) for label, runs in self.groups}
+        return python_line("from fastanchor.evaluation.er_summary import summarise_groups; "
+                           f"summarise_groups({groups!r}, {self.folder!r})")
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.evaluation.er_summary import summarise_groups
+
+        summarise_groups({label: list(runs) for label, runs in self.groups}, self.folder)
+
+
+@dataclass(frozen=True)
+class SFTControl(Step):
+    """The plain-torch SFT control and `finetune_ood` fine-tuning one checkpoint per seed (sft_control_sweep.py);
+    output the sweep's JSON."""
+
+    checkpoint: str = ""
+    seeds: tuple[int, ...] = ()
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "sft-control", "sft-control", "control sweeps"
+
+    def line(self, device: str) -> str:
+        return python_line("from fastanchor.reproduce.sft_control_sweep import write_sweep; "
+                           f"write_sweep({self.checkpoint!r}, {list(self.seeds)!r}, {list(self.overrides)!r}, "
+                           f"{self.output!r})")
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.reproduce.sft_control_sweep import write_sweep
+
+        write_sweep(self.checkpoint, list(self.seeds), list(self.overrides), self.output)
+
+
+def finetune_kept_summary(checkpoint: str | Path, overrides: list[str], destination: Path, device: str = "auto") -> None:
+    """One finetune-ood run; keep its summary (with the equivalent command added as "command") in `destination`, not
+    its weights. summary.md is written before summary.json, the file that says the run is done."""
+    from fastanchor.evaluation.finetune_ood import finetune_ood  # torch: not for --help
+
+    with tempfile.TemporaryDirectory() as scratch:
+        summary = finetune_ood(checkpoint, overrides=overrides, device=device, out_dir=scratch, progress=False)
+        command = " ".join(["fastanchor finetune-ood --checkpoint", str(checkpoint), "--set train.progress=false",
+                            *(f"--set {o}" for o in overrides)])
+        destination.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(scratch) / "summary.md", destination / "summary.md")
+        (destination / "summary.tmp.json").write_text(json.dumps({**summary, "command": command}, indent=2))
+        (destination / "summary.tmp.json").replace(destination / "summary.json")
+
+
+@dataclass(frozen=True)
+class DemoSetting(Step):
+    """One `fastanchor finetune-ood` of CHECKPOINT with a setting's overrides, its summary kept and its weights not
+    (finetune_kept_summary); output the setting's summary.json."""
+
+    checkpoint: str = ""
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "sft-setting", "sft-setting", "settings fine-tuned"
+
+    def line(self, device: str) -> str:
+        return python_line("from pathlib import Path; from fastanchor.reproduce.steps import finetune_kept_summary; "
+                           f"finetune_kept_summary({self.checkpoint!r}, {list(self.overrides)!r}, "
+                           f"Path({str(Path(self.output).parent)!r}), device={device!r})")
+
+    def run(self, device: str, progress: bool) -> None:
+        finetune_kept_summary(self.checkpoint, list(self.overrides), Path(self.output).parent, device)
+
+
+STEP_KINDS: dict[str, type[Step]] = {kind.kind: kind for kind in (
+    Train, Evaluate, Link, FinetuneOOD, OODSets, Testbed, Robustness, ERSummary, SFTControl, DemoSetting)}
