@@ -86,8 +86,7 @@ def epilog(cls: type) -> str | None:
         notes.append(f"options --set takes (section.key = the value used without --config, the {DEFAULT_RECIPE} recipe's; "
                      f"--config sets its own, --set overrides both):\n" + describe_options(recipe_defaults(), cls.SETTABLE))
     elif issubclass(cls, Overrides):
-        notes.append("options --set takes (their values otherwise come from the checkpoint):\n"
-                     + describe_options(None, cls.SETTABLE))
+        notes.append(f"options --set takes ({cls.SET_SCOPE}):\n" + describe_options(None, cls.SETTABLE))
     return "\n".join(n for n in notes if n) or None
 
 

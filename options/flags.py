@@ -70,6 +70,7 @@ class Overrides:
 
     SETTABLE: typing.ClassVar[tuple[str, ...]] = ()
     READS: typing.ClassVar[tuple[str, ...]] = ()
+    SET_SCOPE: typing.ClassVar[str] = "their values otherwise come from the checkpoint"  # said in --help
     overrides: list = option([], "override one option, e.g. --set data.workers=0 (repeatable; the list is below)",
                              flag="--set", metavar="KEY=VALUE")
 
@@ -81,7 +82,7 @@ class Overrides:
             key = text.partition("=")[0].strip()
             if key not in self.SETTABLE and key.partition(".")[0] not in self.SETTABLE:
                 taken = ", ".join(s if "." in s else f"{s}.*" for s in self.SETTABLE)
-                raise ConfigError(f"--set {text}: {command} takes {taken}; the other options come from the checkpoint")
+                raise ConfigError(f"--set {text}: {command} takes {taken} ({self.SET_SCOPE})")
 
 
 @dataclass

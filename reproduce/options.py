@@ -6,12 +6,15 @@ from dataclasses import dataclass
 
 from fastanchor.reproduce.runs import SCALES
 from fastanchor.options.option import Checked, option
-from fastanchor.options.flags import OnDevice
+from fastanchor.options.flags import OnDevice, Overrides
 
 
 @dataclass
-class ReproduceFlags(OnDevice):
+class ReproduceFlags(Overrides, OnDevice):
     """The flags of `fastanchor reproduce` (ReproduceOptions adds the positional EXPERIMENT)."""
+
+    SETTABLE = ("data", "train.progress")  # what every step of every run takes: workers, batch sizes, where the data is
+    SET_SCOPE = "added last to every run of the sweep: its training, its evaluation and its other steps"
 
     scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU)", choices=SCALES)
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")

@@ -11,6 +11,8 @@ sweep (sweep.py) runs every step whose output is missing, in order, and skips th
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -54,6 +56,16 @@ class Run:
 
     def result_file(self, out: Path) -> Path:
         return Path(self.result) if self.result else self.folder(out) / "eval.json"
+
+    def with_overrides(self, overrides: tuple[str, ...]) -> "Run":
+        """This run with `overrides` (`reproduce --set`) added last to its training, its evaluation and every explicit
+        step that takes --set overrides."""
+        if not overrides:
+            return self
+        steps = tuple(dataclasses.replace(step, overrides=(*step.overrides, *overrides)) if hasattr(step, "overrides")
+                      else step for step in self.steps)
+        return dataclasses.replace(self, train=(*self.train, *overrides), evaluate=(*self.evaluate, *overrides),
+                                   steps=steps)
 
     def all_steps(self, out: Path) -> tuple[Step, ...]:
         if self.steps:

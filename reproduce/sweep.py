@@ -93,6 +93,7 @@ def run_reproduce(options: ReproduceOptions, command: str) -> int:
     experiment = EXPERIMENTS[options.experiment]
     scale = options.effective_scale
     runs, notes = plan(experiment, scale, options.data, options.out, options.seeds, options.device, options.progress)
+    runs = [run.with_overrides(tuple(options.overrides)) for run in runs]  # --set: every run takes them
     for note in notes:
         print(f"note: {note}")
     if options.dry_run:

@@ -135,7 +135,7 @@ def test_checkpoint_commands_list_and_take_only_their_options(tmp_path):
     assert "anchor." not in text and "optim." not in text and "train.epochs" not in text
     assert len(text.splitlines()) < 150
     for args, message in ((["evaluate", "--set", "anchor.alpha=0.1"], "--set anchor.alpha=0.1: fastanchor evaluate takes "
-                                                                      "data.*, eval.*, train.progress; the other options come from the checkpoint"),
+                                                                      "data.*, eval.*, train.progress (their values otherwise come from the checkpoint)"),
                           (["evaluate", "--set", "anchor.enabled=false"], "--set anchor.enabled=false: fastanchor evaluate"),
                           (["linear-probe", "--set", "eval.blt=false"], "fastanchor linear-probe takes data.*, train.progress")):
         result = run_main(*args, "--checkpoint", tmp_path / "never_read.pt")

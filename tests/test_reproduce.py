@@ -96,6 +96,18 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
     assert seeds_seen == set(range(EXPERIMENTS[experiment].seeds))
 
 
+def test_set_reaches_every_step_of_every_run_and_only_what_each_takes(tmp_path):
+    """`reproduce --set data.workers=1` is the last --set of every printed command (train, evaluate, the SFT runs'
+    fine-tuning); an option a step would not take (anchor.*) is refused in one line before anything is planned."""
+    for experiment in ("tab4", "sft-tab1-2"):
+        text = reproduce(experiment, "--tiny", "--out", tmp_path / "out", "--dry-run", "--set", "data.workers=1",
+                         "--set", "data.eval_batch_size=8").stdout
+        lines = [line for line in text.splitlines() if line.startswith("fastanchor ")]
+        assert lines and all(line.endswith("--set data.workers=1 --set data.eval_batch_size=8") for line in lines), lines
+    refused = run_main("reproduce", "tab4", "--tiny", "--dry-run", "--set", "anchor.alpha=0.1")
+    assert refused.returncode == 2 and "--set anchor.alpha=0.1: fastanchor reproduce takes data.*, train.progress" in refused.stderr
+
+
 def test_dry_run_fig1_sweeps_the_fixed_reference_set_from_5_to_the_training_set(tmp_path):
     text = reproduce("fig1", "--scale", "cifar", "--data", tmp_path, "--out", tmp_path / "out", "--dry-run").stdout
     sizes = {}
