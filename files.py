@@ -156,3 +156,47 @@ def output_folder(path: Path, option: str, file: bool = False) -> Path:
     if file and path.is_dir():
         raise ConfigError(f"{option} = '{path}' is a directory: expected the name of the file to write")
     return path
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def replace_folder(target: Path, write) -> None:
+    """Write a folder of several files as one: `write(folder)` fills a fresh folder beside `target`, which then takes
+    `target`'s place in one atomic exchange (or, where the system has none, a rename aside and back), so a crash at
+    any moment leaves the previous folder whole or the new one, never a mix. Files of the previous folder that
+    `write` does not write are kept."""
+    import shutil
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".new", dir=target.parent))
+    try:
+        if target.is_dir():
+            shutil.copytree(target, staged, dirs_exist_ok=True)
+        write(staged)
+        for path in staged.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        os.chmod(staged, 0o777 & ~current_umask())
+        if not target.exists():
+            os.rename(staged, target)
+        elif not _exchange(staged, target):
+            aside = staged.with_suffix(".old")
+            os.rename(target, aside)
+            os.rename(staged, target)
+            staged = aside
+        fsync_directory(target.parent)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)

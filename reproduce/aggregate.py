@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from fastanchor.files import read_json
 from fastanchor.reproduce.extract import metrics_of, natural
 from fastanchor.reproduce.runs import Experiment, Run
 
@@ -82,7 +83,7 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
         if not path.is_file():
             missing.append(run.name)
             continue
-        result = json.loads(path.read_text())
+        result = read_json(path, "run result")
         given = experiment.rows(run, result) if experiment.rows else [(run.arm, run.value, metrics_of(result))]
         for arm, value, metrics in given:
             key = (run.setup, arm, json.dumps(value), run.seed)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fastanchor.files import read_json
 from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, TINY_EMBEDDED, setups
 from fastanchor.reproduce.steps import ERSummary, Robustness, Testbed, Train
@@ -119,7 +120,7 @@ def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds
 def testbed_result(experiment: Experiment, runs: list[Run], out: Path, scale: str, paper: dict) -> dict:
     run = next(r for r in runs if r.name == "testbed")
     path = run.result_file(out)
-    fit = json.loads(path.read_text()) if path.is_file() else None
+    fit = read_json(path, "testbed fit") if path.is_file() else None
     published = json.loads((Path(__file__).resolve().parents[1] / "evaluation/testbed_fits.json").read_text())["fits"]
     return {"kind": "er-testbed", "runs": [{"run": m["name"], "setup": run.setup, "arm": "testbed", "value": None,
                                             "seed": 0, "metrics": {k: m[k] for k in ("id_top1", "ood_top1")}}
@@ -132,13 +133,13 @@ def testbed_result(experiment: Experiment, runs: list[Run], out: Path, scale: st
 def finetune_result(experiment: Experiment, runs: list[Run], out: Path, scale: str, paper: dict) -> dict:
     analysis = next(r for r in runs if r.name == "analysis")
     path = analysis.result_file(out)
-    summary = json.loads(path.read_text()) if path.is_file() else None
+    summary = read_json(path, "ER summary") if path.is_file() else None
     finetunes = [r for r in runs if r.arm in LEARNING_RATE]
     rows = []
     for r in finetunes:
         er_path = Path(r.folder(out)) / "robustness_over_training.json"
         if er_path.is_file():
-            epochs = json.loads(er_path.read_text())["epochs"]
+            epochs = read_json(er_path, "robustness result")["epochs"]
             rows.append({"run": r.name, "setup": r.setup, "arm": r.arm, "value": None, "seed": r.seed,
                          "metrics": {"final_id_top1": epochs[-1]["id_top1"], "final_ood_top1": epochs[-1]["ood_top1"],
                                      "final_er": epochs[-1]["effective_robustness"],

@@ -5,10 +5,9 @@ by hand)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, read_json, replace_folder
 from fastanchor.reproduce.experiments import EXPERIMENTS
 from fastanchor.reproduce.figures import figure
 from fastanchor.reproduce.tables import markdown
@@ -44,19 +43,24 @@ def readme(result: dict) -> str:
 
 
 def write_record(result: dict, figure: Path | None, folder: Path) -> Path:
-    """result.json, the figure (None: the experiment has none) as result.png and the generated README.md."""
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(folder / "result.json", lambda h: h.write(json.dumps(result, indent=2).encode()))
-    if figure and figure.resolve() != (folder / "result.png").resolve():
-        shutil.copyfile(figure, folder / "result.png.tmp")
-        (folder / "result.png.tmp").replace(folder / "result.png")
-    atomic_write_bytes(folder / "README.md", lambda h: h.write(readme(result).encode()))
+    """result.json, the figure (None: the experiment has none) as result.png and the generated README.md, written as
+    one (files.replace_folder): a crash leaves the previous record whole, never a new result.json beside an old
+    README."""
+    figure_bytes = Path(figure).read_bytes() if figure else None
+
+    def write(staged: Path) -> None:
+        (staged / "result.json").write_text(json.dumps(result, indent=2))
+        if figure_bytes is not None:
+            (staged / "result.png").write_bytes(figure_bytes)
+        (staged / "README.md").write_text(readme(result))
+
+    replace_folder(folder, write)
     return folder / "README.md"
 
 
 def regenerate(folder: Path) -> Path:
     """README.md of a committed record rewritten from its result.json."""
-    result = json.loads((folder / "result.json").read_text())
+    result = read_json(folder / "result.json", "record")
     atomic_write_bytes(folder / "README.md", lambda h: h.write(readme(result).encode()))
     return folder / "README.md"
 
@@ -68,7 +72,7 @@ def index(root: Path) -> str:
              "how ours compares, is in docs/reproduce.md.", "",
              "| experiment | paper | scale | runs | command |", "| --- | --- | --- | ---: | --- |"]
     for path in sorted(root.glob("*/result.json")):
-        result = json.loads(path.read_text())
+        result = read_json(path, "record")
         runs = f"{result.get('finished', len(result['runs']))}" + (f" ({len(result['missing'])} missing)" if result["missing"] else "")
         lines.append(f"| [{result['experiment']}]({path.parent.name}/README.md): {result['title']} | "
                      f"{result['source']} | {result['scale']} | {runs} | "

@@ -26,11 +26,11 @@ jigsaw4, and their average.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
+from fastanchor.files import read_json
 from fastanchor.reproduce.er import pretrain_step
 from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, setups
@@ -261,7 +261,7 @@ def control_result(experiment: Experiment, runs: list[Run], out: Path, scale: st
     return {"kind": "sft-control", "runs": [{"run": r.name, "setup": r.setup, "arm": r.arm, "value": None, "seed": r.seed,
                                              "metrics": {}} for r in done],
             "missing": [r.name for r in runs if r not in done], "summary": [],
-            "sweeps": {r.name: json.loads(r.result_file(out).read_text()) for r in done}, "figure": ""}
+            "sweeps": {r.name: read_json(r.result_file(out), "SFT control sweep") for r in done}, "figure": ""}
 
 
 SFT_CONTROL = Experiment(

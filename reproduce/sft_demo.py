@@ -10,9 +10,9 @@ run: ID top-1 and energy/MSP AUROC and FPR95 before and after.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from fastanchor.files import read_json
 from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, setups
 from fastanchor.reproduce.steps import DemoSetting, Train
@@ -64,7 +64,7 @@ def demo_result(experiment: Experiment, runs: list[Run], out: Path, scale: str, 
     return {"kind": "sft-demo", "runs": [{"run": r.name, "setup": r.setup, "arm": r.arm, "value": r.value, "seed": r.seed,
                                           "metrics": {}} for r in done],
             "missing": [r.name for r in runs if r not in done], "summary": [], "figure": "",
-            "summaries": {f"{r.arm}/{r.value}": json.loads(r.result_file(out).read_text()) for r in done}}
+            "summaries": {f"{r.arm}/{r.value}": read_json(r.result_file(out), "SFT summary") for r in done}}
 
 
 def header(summaries: dict[str, dict]) -> list[str]:

@@ -108,6 +108,26 @@ def test_set_reaches_every_step_of_every_run_and_only_what_each_takes(tmp_path):
     assert refused.returncode == 2 and "--set anchor.alpha=0.1: fastanchor reproduce takes data.*, train.progress" in refused.stderr
 
 
+def test_torn_result_files_are_one_line_and_a_record_is_written_whole(tmp_path):
+    """--aggregate-only over a run whose eval.json was cut short, and --record beside another experiment's torn
+    result.json: one line naming the file each, exit 2; the records already there are left as they were."""
+    runs, _ = plan(EXPERIMENTS["tab4"], "tiny", "", tmp_path / "out", 0, "cpu", False)
+    torn = runs[0].result_file(tmp_path / "out")
+    torn.parent.mkdir(parents=True)
+    torn.write_text('{"id": {"top1": 5')
+    result = run_main("reproduce", "tab4", "--tiny", "--out", tmp_path / "out", "--aggregate-only")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"run result '{torn}' is not complete JSON" in result.stderr
+    torn.unlink()
+    record = tmp_path / "record"
+    (record / "fig1").mkdir(parents=True)
+    (record / "fig1" / "result.json").write_text('{"experiment": "fig1", "ru')
+    result = run_main("reproduce", "tab4", "--tiny", "--out", tmp_path / "out", "--aggregate-only", "--record", record)
+    assert result.returncode == 2 and f"record '{record / 'fig1' / 'result.json'}' is not complete JSON" in result.stderr
+    assert sorted(p.name for p in (record / "tab4").iterdir()) == ["README.md", "result.json", "result.png"]  # whole
+    assert [p.name for p in record.iterdir() if p.name.startswith(".")] == []  # nothing staged left behind
+
+
 def test_dry_run_fig1_sweeps_the_fixed_reference_set_from_5_to_the_training_set(tmp_path):
     text = reproduce("fig1", "--scale", "cifar", "--data", tmp_path, "--out", tmp_path / "out", "--dry-run").stdout
     sizes = {}
