@@ -97,7 +97,8 @@ def plan_finetune(experiment: Experiment, scale: str, data: str, out: str, seeds
             init = [f"model.init_checkpoint={pretrain.output}"] if arm == "pretrained" else []
             step = Train(str(home / "finetune" / name / "final.pt"), recipe=setup.standard, overrides=(
                 *setup.train, *FINETUNE, f"optim.lr={lr}", *init, f"train.epochs={size['epochs']}",
-                f"train.checkpoint_interval={size['checkpoint_interval']}", f"train.seed={seed}",
+                f"train.checkpoint_interval={size['checkpoint_interval']}", "train.keep_checkpoints=0",  # ER reads them all
+                f"train.seed={seed}",
                 f"train.out_dir={home / 'finetune'}", f"train.run_name={name}", *quiet))
             folders[arm].append(str(home / "finetune" / name))
             runs.append(Run(experiment.name, name, setup.name, arm, None, seed, setup.standard, step.overrides, (),
