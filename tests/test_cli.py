@@ -235,3 +235,57 @@ def test_empty_class_folder_is_refused_where_it_would_be_a_class_and_kept_when_a
     result = run_main("train", *tiny_overrides(root, tmp_path / "runs", **{"data.dataset": "folder", "train.max_steps": 1,
                                                                           "data.allow_empty_classes": True}))
     assert result.returncode == 0 and "stopped after train.max_steps = 1 steps" in result.stdout, result.stderr
+
+
+def attribute_reads(paths) -> set[str]:
+    """Attribute names read off `options`, `spec` or `self` in these files (where a command's options are used)."""
+    import ast
+
+    read = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in ("options", "spec", "self", "given") and isinstance(node.ctx, ast.Load):
+                read.add(node.attr)
+    return read
+
+
+@pytest.mark.parametrize("name", sorted(set(COMMANDS) - {"bench"}))
+def test_every_command_help_shows_options_it_reads_with_the_defaults_it_uses(name):
+    """`fastanchor COMMAND --help`: every flag is a field of the command's options that the command reads (in
+    cli/, in the evaluation or reproduce modules its specs reach, or in the options' own methods), and every shown
+    default is the field's (tests/test_benchmarks.py does the same for each benchmark)."""
+    from pathlib import Path
+
+    from test_benchmarks import help_options
+
+    root = Path(__file__).resolve().parent.parent
+    cls, target, _ = COMMANDS[name]
+    text = build_parser()._subparsers._group_actions[0].choices[name].format_help()
+    shown = help_options(text.split("\noptions --set takes")[0].split("\noptions this command reads")[0])
+    read = attribute_reads([*root.glob("cli/*.py"), *root.glob("options/*.py"), *root.glob("trainer/config.py"),
+                            *root.glob("evaluation/*.py"), *root.glob("reproduce/*.py")])
+    read |= set(trainer_config.SHORTHANDS)  # read by TrainingRecipe.settings(), each as its --set form
+    problems = []
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        flag = flag if isinstance(flag, str) else flag[0]
+        if f.metadata.get("positional"):
+            continue
+        if flag not in shown:
+            problems.append(f"{flag}: not in --help")
+            continue
+        if f.name not in read:
+            problems.append(f"{flag}: shown by --help, never read")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        found = re.search(r"\(default: (.*?)\)$", shown[flag])
+        if "unset" in f.metadata:  # a default meaning "not given": its help says what is used then
+            continue
+        if default in ("", None, []) or f.metadata.get("required"):
+            if found:
+                problems.append(f"{flag}: a default shown where there is none")
+        elif not found or found.group(1).replace(" ", "") != str(default).replace(" ", ""):
+            problems.append(f"{flag}: {shown[flag]!r}, default {default!r}")
+    assert not problems, f"fastanchor {name}: {problems}"

@@ -108,6 +108,18 @@ def test_set_reaches_every_step_of_every_run_and_only_what_each_takes(tmp_path):
     assert refused.returncode == 2 and "--set anchor.alpha=0.1: fastanchor reproduce takes data.*, train.progress" in refused.stderr
 
 
+def test_the_tiny_sweep_keeps_to_its_own_data_folder():
+    """The tiny scale generates its 48-image set into data/reproduce_tiny, never into the demo's data/embedded_demo (a
+    second embedded spec there made the quick start's `fastanchor train` refuse the folder), and docs/reproduce.md's
+    tiny command does not send it there."""
+    from fastanchor.reproduce.scales import SMALL_DATA, setups
+
+    tiny_root = dict(o.split("=", 1) for o in setups("tiny", "")["tiny"].train)["data.root"]
+    assert tiny_root == "data/reproduce_tiny" != SMALL_DATA == load_config("demo").data.root
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reproduce.md").read_text()
+    assert not re.search(r"reproduce \S+ --tiny[^\n]*--data data/embedded_demo", page)
+
+
 def test_torn_result_files_are_one_line_and_a_record_is_written_whole(tmp_path):
     """--aggregate-only over a run whose eval.json was cut short, and --record beside another experiment's torn
     result.json: one line naming the file each, exit 2; the records already there are left as they were."""

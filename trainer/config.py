@@ -515,7 +515,8 @@ def validate(config: Config) -> None:
 
 @dataclass
 class _RecipeName:
-    config: str = option("", f"recipe: a name under configs/ or a YAML file (default: {DEFAULT_RECIPE})", metavar="CONFIG")
+    config: str = option("", f"recipe: a name under configs/ or a YAML file (default: {DEFAULT_RECIPE})", metavar="CONFIG",
+                         unset="")
 
 
 @dataclass
