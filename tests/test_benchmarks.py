@@ -25,7 +25,8 @@ from fastanchor.cli import docs as docs_blocks
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
-from fastanchor.benchmarks.results import describe_run, environment, validate_result
+from fastanchor.benchmarks.results import describe_run, validate_result
+from fastanchor.environment import environment
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.datasets import imagenet_shaped
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
