@@ -679,7 +679,7 @@ def help_options(text: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"fidelity"}))  # fidelity: an accuracy sweep, leaving for reproduce/
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_every_benchmark_help_shows_only_options_it_reads_with_the_defaults_it_uses(name):
     """`fastanchor bench WHAT --help`, parsed: every option is a field of the benchmark's options class that the benchmark
     reads (`options.<field>` in its modules, checks aside), each field is shown, and each shown default is the field's."""
