@@ -228,32 +228,32 @@ def recorded_rows(files: list[Path], link) -> list[tuple[str, dict]]:
     return [(row_name(str(path), link(path.with_suffix(".md"))), load_entry(path)) for path in files]
 
 
-def readme_block(results_dir: Path, link) -> str:
-    """The fidelity block (docs/fidelity.md): the ablation lines of every recorded row, or a line saying there is none."""
-    files = sorted((Path(results_dir) / RECORD).rglob("fidelity-*.json"))
-    lines = [README_BEGIN, ""]
+def generated_block(begin: str, end: str, files: list[Path], link, where: Path, intro: str,
+                    columns=ABLATION_COLUMNS) -> str:
+    """A generated block: the ablation lines of `files` after `intro`, or a line saying there is no result under
+    `where` (of results/) yet."""
+    lines = [begin, ""]
     if not files:
-        lines += [f"Not yet measured: no result file under `results/{RECORD.as_posix()}/` (`fastanchor reproduce "
-                  "fidelity --record results/reproduce` writes them)."]
+        lines += [f"Not yet measured: no result file under `results/{where.as_posix()}/` (`fastanchor reproduce "
+                  "fidelity --record results/reproduce` writes it)."]
     else:
-        lines += ["Every arm: mean ± sample standard deviation over its seeds; each result file's own tables (per "
-                  "corruption and severity, trainer minus control) are behind its link.", "",
-                  *ablation_table(recorded_rows(files, link))]
-    return "\n".join(lines + ["", README_END])
+        lines += [intro, "", *ablation_table(recorded_rows(files, link), columns)]
+    return "\n".join(lines + ["", end])
+
+
+def readme_block(results_dir: Path, link) -> str:
+    """The fidelity block (docs/fidelity.md): the ablation lines of every recorded row."""
+    return generated_block(README_BEGIN, README_END, sorted((Path(results_dir) / RECORD).rglob("fidelity-*.json")), link,
+                           RECORD, "Every arm: mean ± sample standard deviation over its seeds; each result file's own "
+                           "tables (per corruption and severity, trainer minus control) are behind its link.")
 
 
 def demo_block(results_dir: Path, link) -> str:
-    """The README's demo block: the ablation lines of the DEMO_TAG row, fewer columns, or a line saying there is none."""
-    files = sorted((Path(results_dir) / RECORD / DEMO_TAG).glob("fidelity-*.json"))
-    lines = [DEMO_BEGIN, ""]
-    if not files:
-        lines += [f"Not yet measured: no result file under `results/{RECORD.as_posix()}/{DEMO_TAG}/` (`fastanchor "
-                  "reproduce fidelity --record results/reproduce` writes it)."]
-    else:
-        lines += ["Mean ± sample standard deviation over the seeds; the result file's own tables (per corruption and "
-                  "severity) are behind its link.", "",
-                  *ablation_table(recorded_rows(files, link), ("alpha", "mask level", "epochs", "crop"))]
-    return "\n".join(lines + ["", DEMO_END])
+    """The README's demo block: the ablation lines of the DEMO_TAG row, fewer columns."""
+    return generated_block(DEMO_BEGIN, DEMO_END, sorted((Path(results_dir) / RECORD / DEMO_TAG).glob("fidelity-*.json")),
+                           link, RECORD / DEMO_TAG, "Mean ± sample standard deviation over the seeds; the result file's "
+                           "own tables (per corruption and severity) are behind its link.",
+                           ("alpha", "mask level", "epochs", "crop"))
 
 
 def chart(result: dict, path: Path) -> None:
