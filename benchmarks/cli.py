@@ -20,8 +20,6 @@ BENCHMARKS = {
              "images/s of standard vs anchored training steps on synthetic on-device batches"),
     "e2e": (opts.EndToEndOptions, "end_to_end:run_end_to_end_benchmark",
             "loader + op + step, standard vs anchored vs the naive second-loader design"),
-    "fidelity": (opts.FidelityOptions, "fidelity:run_fidelity_benchmark",
-                 "accuracy, calibration, corruption and OOD metrics of the trainer's arms vs a plain-torch control"),
     "data": (opts.DataOptions, "cli:run_data",
              "write the ImageNet-shaped synthetic JPEG dataset (sizes and resolutions as ImageNet's)"),
     "first-layer": (opts.FirstLayerOptions, "first_layer:run_first_layer",

@@ -11,7 +11,8 @@ import torch
 
 from fastanchor.benchmarks.harness import Case, Derived, case_record, derived_record, run_interleaved, spread_warnings
 from fastanchor.benchmarks.options import CommonOptions
-from fastanchor.benchmarks.results import build_result, environment, markdown, write_result
+from fastanchor.benchmarks.results import build_result, markdown, write_result
+from fastanchor.environment import environment
 
 
 def usable_cpus() -> int:

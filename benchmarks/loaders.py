@@ -37,7 +37,7 @@ from fastanchor.benchmarks.common import apply_threads, resolve_device, run_and_
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Derived, Measurement, not_available, time_epoch
 from fastanchor.benchmarks.options import ImageDataOptions, LoaderOptions, by_device, names_list
-from fastanchor.benchmarks.results import opencv_jpeg
+from fastanchor.environment import opencv_jpeg
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.loaders import registry

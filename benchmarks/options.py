@@ -13,7 +13,6 @@ from fastanchor.errors import ConfigError
 from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import OnDevice, Overrides
 from fastanchor.pipeline.loaders.registry import LOADERS, TRAINING_LOADERS
-from fastanchor.trainer.config import Recipe
 
 # "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
 OP_PATHS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
@@ -43,10 +42,10 @@ def by_device(value, cpu, gpu, cuda: bool):
 @dataclass
 class BenchRun(Checked, OnDevice):
     """What every benchmark that writes result files takes: the device, torch's CPU threads, a tag naming the
-    configuration (a suffix of the file names; fidelity: a sub-directory of --out), progress bars."""
+    configuration (a suffix of the file names), progress bars."""
 
     threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
-    tag: str = option("", "names this configuration's results: a file-name suffix (fidelity: a sub-directory of --out)")
+    tag: str = option("", "names this configuration's results: a file-name suffix")
     progress: bool = option(True, "progress bars with the latest figure")
 
     def checks(self):
@@ -292,33 +291,3 @@ class SoakOptions(RunConfig):
             ("warmup", 0 <= self.warmup < 1, "a fraction in [0, 1)"),
             ("threads", self.threads >= 1, "at least 1"),
         ]
-
-
-ARM_NAMES = ("standard", "vanilla", "masking", "control-standard", "control-vanilla", "control")
-
-
-@dataclass
-class FidelityOptions(Recipe, BenchRun):
-    """Standard, vanilla-anchored and masked training through the trainer and through a plain-torch control.
---config and --set apply to every arm; the control follows the settings it has."""
-
-    data: str = option("", "ImageFolder root with train/, val/ and optionally ood/ ('': the recipe's data)")
-    arms: str = option(",".join(ARM_NAMES), "comma-separated arms: " + ", ".join(ARM_NAMES))
-    seeds: int = option(3, "seeds per arm (0 to N-1)")
-    epochs: int = option(0, "training epochs of every arm (0: the recipe's train.epochs)")
-    severities: str = option("", "comma-separated corruption severities 1-5 (default: the recipe's eval.severities)")
-    masked_batchnorm: str = option("update", "anchor.masked_batchnorm of the trainer arms (update: the paper's plain BatchNorm, "
-                                             "as the control)", choices=("update", "skip"))
-    keep_checkpoints: bool = option(False, "keep the trainer arms' checkpoints (default: deleted once evaluated)")
-    out: str = option("results/fidelity", "directory of the result files (<out>[/<tag>]/fidelity-<device>.{json,md,png} and runs/)")
-
-    def checks(self):
-        unknown = [arm for arm in names_list(self.arms) if arm not in ARM_NAMES]
-        severities = names_list(self.severities)
-        return [
-            ("arms", bool(names_list(self.arms)) and not unknown, f"names from {', '.join(ARM_NAMES)}"),
-            ("seeds", self.seeds >= 1, "at least 1"),
-            ("epochs", self.epochs >= 0, "0 (the recipe's) or a positive count"),
-            ("severities", all(s.isdigit() and 1 <= int(s) <= 5 for s in severities), "comma-separated integers 1 to 5"),
-            ("masked_batchnorm", self.masked_batchnorm in ("update", "skip"), "update or skip"),
-        ] + super().checks()

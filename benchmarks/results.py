@@ -18,113 +18,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
-import re
 import statistics
-import subprocess
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
-import torch
-
+from fastanchor.environment import device_tag, git_commit
 from fastanchor.files import atomic_write_bytes
 
 SCHEMA = "fastanchor-bench-v1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ("torch", "torchvision", "timm", "numpy", "pillow", "opencv-python", "opencv-python-headless", "ffcv",
-             "numba", "triton", "nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
 REQUIRED = ("schema", "benchmark", "created", "command", "environment", "config", "repetitions", "warmup_rounds",
             "schedule", "cases", "derived")
 REQUIRED_ENVIRONMENT = ("device", "device_name", "cpu_count", "libraries")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _versions() -> dict[str, str]:
-    found = {}
-    for name in LIBRARIES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return found
-
-
-def _jpeg_libraries() -> dict[str, str]:
-    """Which libjpeg-turbo each decoding library carries (decode figures depend on it)."""
-    found = {}
-    try:
-        from PIL import features
-
-        found["pillow"] = f"libjpeg-turbo {features.version('libjpeg_turbo')}" if features.check_feature("libjpeg_turbo") \
-            else f"libjpeg {features.version('jpg')}"
-    except Exception:  # noqa: BLE001 - a fact for the record, never a reason to fail
-        pass
-    try:
-        found["opencv"] = opencv_jpeg()
-    except Exception:  # noqa: BLE001
-        pass
-    return found
-
-
-def opencv_jpeg() -> str:
-    """The JPEG library OpenCV was built with, from its build information."""
-    import cv2
-
-    line = next((l for l in cv2.getBuildInformation().splitlines() if l.strip().startswith("JPEG:")), "JPEG: unknown")
-    return line.split(":", 1)[1].strip()
-
-
-def cuda_driver() -> str | None:
-    """The NVIDIA driver's version, as nvidia-smi reports it (None where it cannot be asked)."""
-    try:
-        answer = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return answer.stdout.splitlines()[0].strip() if answer.returncode == 0 and answer.stdout.strip() else None
-
-
-def environment(device: torch.device) -> dict:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-        "cpu_name": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": usable,
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cuda": torch.version.cuda if device.type == "cuda" else None,
-        "driver": cuda_driver() if device.type == "cuda" else None,
-        "libraries": _versions(),
-        "jpeg": _jpeg_libraries(),
-    }
-
-
-def device_tag(env: dict) -> str:
-    if env["device"] != "cuda":
-        return "cpu"
-    return "cuda-" + re.sub(r"[^a-z0-9]+", "-", env["device_name"].lower()).strip("-")
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def build_result(benchmark: str, *, command: str, config: dict, env: dict, cases: list[dict], derived: list[dict],

@@ -55,7 +55,7 @@ COMMANDS = {
     "report": (o.ReportOptions, "cli.commands:report", "one HTML page and a Markdown twin comparing runs side by side"),
     "recipes": (o.RecipesOptions, "cli.commands:recipes", "list the recipes under configs/ with the results they aim at"),
     "demo": (o.DemoOptions, "cli.commands:demo", "train standard and anchored models on the embedded dataset and compare them"),
-    "bench": (BENCHMARKS, "benchmarks", "throughput and fidelity benchmarks (result files under runs/bench; --record DIR)"),
+    "bench": (BENCHMARKS, "benchmarks", "throughput benchmarks (result files under runs/bench; --record DIR)"),
     "reproduce": (ReproduceOptions, "reproduce.sweep:run_reproduce",
                   "run a figure or table of the anchoring paper as a resumable sweep"),
     "docs": (o.DocsOptions, "cli.docs:run_docs",

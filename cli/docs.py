@@ -4,7 +4,7 @@ It reads every `results/*.json` (the committed evidence: never runs/), checks ea
 schema, states every target of the benchmarks issue as met / not met (with the measured figure and
 the file it comes from) or not yet measured, and rewrites the performance block (docs/benchmarks.md)
 with the targets table and each result's tables and chart; the fidelity block (docs/fidelity.md)
-and the demo block (README.md) come from `results/fidelity/`. Each block is written into
+and the demo block (README.md) come from `results/reproduce/fidelity/`. Each block is written into
 whichever of README.md and the docs/*.md beside it holds its markers, with links relative to that
 file; so is the recipes table (cli/recipes.py, with the throughput the step results measured).
 """
@@ -180,8 +180,7 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> str:
     """Rewrite the generated blocks of `readme` and of every docs/*.md beside it from the result files, each in the
     file holding its markers (the performance block must be in one of them); return the performance block as
     rendered for the first file holding it."""
-    from fastanchor.benchmarks.fidelity import (DEMO_BEGIN, DEMO_END, README_BEGIN, README_END, demo_block, readme_block,
-                                                write_results_readme)
+    from fastanchor.reproduce.fidelity_report import DEMO_BEGIN, DEMO_END, README_BEGIN, README_END, demo_block, readme_block
 
     readme, results_dir = Path(readme), Path(results_dir)
     documents = [readme, *sorted((readme.parent / "docs").glob("*.md"))]
@@ -196,7 +195,7 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> str:
         where = f"'{readme}'" + (" (and every docs/*.md beside it)" if len(documents) > 1 else "")
         raise DataError(f"{where} has no generated performance block: expected the lines '{BEGIN}' and '{END}'")
     results = load_results(results_dir)
-    performance, fidelity, rewritten = "", False, {}
+    performance, rewritten = "", {}
     for document, text in texts.items():  # every block rendered before any file is written
         folder = document.parent.resolve()
         new = text
@@ -204,10 +203,9 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> str:
             block = render_block(results, folder)
             performance = performance or block
             new = _replace_block(new, BEGIN, END, block, document, "performance")
-        if FIDELITY_MARKER in new:  # the fidelity benchmark's block, where the file has one
+        if FIDELITY_MARKER in new:  # the fidelity experiment's block, where the file has one
             new = _replace_block(new, README_BEGIN, README_END,
                                  readme_block(results_dir, lambda path: _link(path, folder)), document, "fidelity")
-            fidelity = True
         if DEMO_MARKER in new:  # the demo recipe's rows of it
             new = _replace_block(new, DEMO_BEGIN, DEMO_END, demo_block(results_dir, lambda path: _link(path, folder)),
                                  document, "demo")
@@ -215,8 +213,6 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> str:
             rewritten[document] = new
     for document, new in rewritten.items():
         atomic_write_bytes(document, lambda handle, new=new: handle.write(new.encode()))
-    if fidelity and (results_dir / "fidelity").is_dir():
-        write_results_readme(results_dir)
     for document, text in texts.items():  # the recipes table, with the throughput the step results measured
         if RECIPES_BEGIN in text:
             write_recipes(document, results_dir)

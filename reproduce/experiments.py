@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fastanchor.errors import ConfigError
 from fastanchor.reproduce.er import ER_EXPERIMENTS
+from fastanchor.reproduce.fidelity import FIDELITY
 from fastanchor.reproduce.runs import Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, Setup, setups
 from fastanchor.reproduce.sft import SFT_CONTROL, SFT_EXPERIMENTS
@@ -132,6 +133,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     SFT_CONTROL,
     SFT_DEMO,
     *ER_EXPERIMENTS,
+    FIDELITY,
 )}
 
 

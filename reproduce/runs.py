@@ -98,6 +98,8 @@ class Experiment:
     rows: Callable | None = None
     # aggregate(experiment, runs, out, scale) -> result dict, for experiments whose result is not a table of rows
     aggregator: Callable | None = None
+    # recorder(result, out folder, record folder): the files of the runs the committed record keeps beside result.json
+    recorder: Callable | None = None
     strict_paper_setup: bool = False  # the paper's numbers only beside the setup that stands for the paper's own
     setup_papers: dict[str, str] = field(default_factory=dict)  # planner's setups -> the paper's ('' : none)
     paper_also: tuple[str, ...] = ()  # further blocks of the numbers file whose rows this table repeats

@@ -271,5 +271,32 @@ class DemoSetting(Step):
         finetune_kept_summary(self.checkpoint, list(self.overrides), Path(self.output).parent, device)
 
 
+@dataclass(frozen=True)
+class FidelityRow(Step):
+    """One row of the fidelity experiment (fidelity.py): every arm at every seed, trained and measured by
+    fidelity_run.py's run_row, each (arm, seed) kept as soon as it is done (a killed row goes on per arm); output the
+    row's fidelity-<device>.json."""
+
+    recipe: str = ""
+    arms: tuple[str, ...] = ()
+    masked_batchnorm: str = "update"
+    seeds: int = 1
+    overrides: tuple[str, ...] = ()
+
+    kind, label, counted = "fidelity-row", "fidelity row", "fidelity rows measured"
+
+    def line(self, device: str) -> str:
+        return python_line("from fastanchor.reproduce.fidelity_run import run_row; "
+                           f"run_row({str(Path(self.output).parent)!r}, {self.recipe!r}, {list(self.overrides)!r}, "
+                           f"{list(self.arms)!r}, {self.masked_batchnorm!r}, {self.seeds}, device={device!r})")
+
+    def run(self, device: str, progress: bool) -> None:
+        from fastanchor.reproduce.fidelity_run import run_row
+
+        run_row(Path(self.output).parent, self.recipe, list(self.overrides), list(self.arms), self.masked_batchnorm,
+                self.seeds, device, progress, command=self.line(device))
+
+
 STEP_KINDS: dict[str, type[Step]] = {kind.kind: kind for kind in (
-    Train, Evaluate, Link, FinetuneOOD, OODSets, Testbed, Robustness, ERSummary, SFTControl, DemoSetting)}
+    Train, Evaluate, Link, FinetuneOOD, OODSets, Testbed, Robustness, ERSummary, SFTControl, DemoSetting,
+    FidelityRow)}

@@ -82,6 +82,8 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     print(f"{len(runs) - len(result['missing'])} of {len(runs)} runs aggregated: {', '.join(map(str, paths.values()))}")
     if options.record:
         written = write_record(result, paths.get("result.png"), Path(options.record) / experiment.name)
+        if experiment.recorder:
+            experiment.recorder(result, Path(options.out) / experiment.name, Path(options.record) / experiment.name)
         print(f"record written: {written} (and the index {write_index(Path(options.record))})")
     return result
 

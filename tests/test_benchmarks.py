@@ -25,7 +25,8 @@ from fastanchor.cli import docs as docs_blocks
 from fastanchor.benchmarks.anchor_op import op_bytes
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.benchmarks.harness import Case, Measurement, run_interleaved, time_epoch
-from fastanchor.benchmarks.results import describe_run, environment, validate_result
+from fastanchor.benchmarks.results import describe_run, validate_result
+from fastanchor.environment import environment
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.datasets import imagenet_shaped
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
@@ -678,7 +679,7 @@ def help_options(text: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"fidelity"}))  # fidelity: an accuracy sweep, leaving for reproduce/
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_every_benchmark_help_shows_only_options_it_reads_with_the_defaults_it_uses(name):
     """`fastanchor bench WHAT --help`, parsed: every option is a field of the benchmark's options class that the benchmark
     reads (`options.<field>` in its modules, checks aside), each field is shown, and each shown default is the field's."""

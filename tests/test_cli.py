@@ -119,7 +119,8 @@ def test_help_imports_no_torch():
     assert result.stdout.split() == [str(len(COMMANDS) + len(BENCHMARKS)), "False"]
 
 
-@pytest.mark.parametrize("words", ["", "train", "linear-probe", "robustness", "report", "bench", "bench fidelity", "bench data"])
+@pytest.mark.parametrize("words", ["", "train", "linear-probe", "robustness", "report", "bench", "bench step", "bench data",
+                                   "reproduce"])
 def test_every_help_exits_zero(words):
     result = subprocess.run([sys.executable, "-m", "fastanchor", *words.split(), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("usage: fastanchor"), result.stderr

@@ -1,5 +1,6 @@
-"""The fidelity benchmark at a tiny size: the control computes the paper's Figure 3 exactly, the
-benchmark writes every seed's numbers and reuses finished runs, and bad input stops in one line."""
+"""The fidelity experiment at a tiny size: the control computes the paper's Figure 3 exactly, `fastanchor reproduce
+fidelity` writes every seed's numbers, skips finished rows and reuses a killed row's finished arms, and bad input
+stops in one line."""
 
 import json
 import math
@@ -11,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_main
-from fastanchor.benchmarks import fidelity_control as control, readme as bench_readme
-from fastanchor.benchmarks.fidelity import (DEMO_BEGIN, DEMO_END, DEMO_TAG, README_BEGIN, README_END, config_knows,
-                                            control_settings, demo_block, readme_block, trainer_config,
-                                            training_precision)
-from fastanchor.benchmarks.options import FidelityOptions
+from fastanchor.cli import docs
+from fastanchor.reproduce import fidelity_control as control
+from fastanchor.reproduce.experiments import EXPERIMENTS, plan
+from fastanchor.reproduce.fidelity_report import (DEMO_BEGIN, DEMO_END, DEMO_TAG, README_BEGIN, README_END, demo_block,
+                                                  readme_block, training_precision)
+from fastanchor.reproduce.fidelity_run import config_knows, control_settings, trainer_config
+from fastanchor.reproduce.steps import FidelityRow
 from fastanchor.trainer.config import load_config
 from fastanchor.trainer.models import DEMO_MODEL  # registers the demo model in timm's registry
 from fastanchor.trainer.schedule import lr_factor
@@ -99,67 +102,101 @@ def test_control_crop_and_flip_keep_shape_and_pixels():
 
 
 def fidelity(tiny_dataset, out, *extra):
-    return run_main("bench", "fidelity", "--data", tiny_dataset, "--out", out, "--epochs", 1, "--severities", 5,
-                    "--set", "data.batch_size=16", "--set", "data.eval_batch_size=32", "--set", "data.workers=0",
-                    "--set", "anchor.inference_references=8", "--set", "eval.corruptions=[gaussian_noise]",
-                    "--set", "anchor.mask_level=batch",  # the control's masking level
-                    "--threads", 2, "--no-progress", *extra)
+    return run_main("reproduce", "fidelity", "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu",
+                    "--no-progress", *extra)
 
 
-def test_bench_fidelity_end_to_end_and_reuse(tiny_dataset, tmp_path):
-    results, tmp_path = tmp_path, tmp_path / "fidelity"  # as results/fidelity
-    precise = ("--set", "eval.recalibrate_bn=2")  # BatchNorm re-estimated on 2 batches: both arms follow it
-    outcome = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2, *precise)
+CONTROL_ROW = "trainer_vs_control_precise_bn"  # the tiny scale's second row: vanilla, masking and their controls
+
+
+def test_reproduce_fidelity_end_to_end_and_resume(tiny_dataset, tmp_path):
+    out, results = tmp_path / "out", tmp_path / "results"  # results: as the committed results/
+    outcome = fidelity(tiny_dataset, out, "--record", results / "reproduce")
     assert outcome.returncode == 0, outcome.stderr[-3000:]
-    result = json.loads((tmp_path / "fidelity-cpu.json").read_text())
-    assert result["schema"] == "fastanchor-fidelity-v1" and result["command"].startswith("fastanchor bench fidelity --data")
+    runs, _ = plan(EXPERIMENTS["fidelity"], "tiny", str(tiny_dataset), str(out), device="cpu")
+    assert [r.name for r in runs] == [DEMO_TAG, CONTROL_ROW] and "fidelity: 0 trained" in outcome.stdout
+    assert "2 fidelity rows measured" in outcome.stdout
+    row = out / "fidelity" / CONTROL_ROW
+    result = json.loads((row / "fidelity-cpu.json").read_text())
+    assert result["schema"] == "fastanchor-fidelity-v1" and "run_row(" in result["command"]
     assert result["environment"]["libraries"]["torch"] and "git_commit" in result and result["epochs"] == 1
-    assert sorted((r["arm"], r["seed"]) for r in result["runs"]) == [("control", 0), ("control", 1), ("vanilla", 0), ("vanilla", 1)]
+    arms = ["vanilla", "masking", "control-vanilla", "control"]
+    assert sorted((r["arm"], r["seed"]) for r in result["runs"]) == sorted((arm, 0) for arm in arms)
     for run in result["runs"]:
         m = run["metrics"]
         assert 0 <= m["id_top1"] <= 100 and 0 <= m["smece"] <= 1 and m["train_seconds"] > 0
-        assert set(m["corruptions"]) == {"gaussian_noise@5"} and m["highest_severity"] == 5
+        assert m["highest_severity"] == 5 and all(name.endswith(("@3", "@5")) for name in m["corruptions"])
         assert 0 <= m["ood_energy_auroc"] <= 100 and 0 <= m["ood_energy_fpr95"] <= 100  # the tiny data has ood/
-    for arm in ("vanilla", "control"):
-        assert len(result["summary"][arm]["id_top1"]["values"]) == 2
-    assert result["fidelity"] == [] and result["reused_runs"] == 0
-    table = (tmp_path / "fidelity-cpu.md").read_text()
+    for arm in arms:
+        assert len(result["summary"][arm]["id_top1"]["values"]) == 1
+    assert [(g["arm"], g["control"]) for g in result["fidelity"]] == [("vanilla", "control-vanilla"), ("masking", "control")]
+    assert result["reused_runs"] == 0
+    table = (row / "fidelity-cpu.md").read_text()
     assert "| vanilla |" in table and "| control |" in table and "severity 5 mean" in table
-    assert (tmp_path / "fidelity-cpu.png").read_bytes()[:4] == b"\x89PNG"
-    runs = sorted((tmp_path / "runs").glob("*.json"))
-    assert len(runs) == 4 and not list(tmp_path.rglob("*.pt"))  # checkpoints deleted once evaluated
-    stamps = {p: p.stat().st_mtime_ns for p in runs}
+    assert (row / "fidelity-cpu.png").read_bytes()[:4] == b"\x89PNG"
+    records = sorted((row / "runs").glob("*.json"))
+    assert len(records) == 4 and not list(out.rglob("*.pt"))  # checkpoints deleted once evaluated
+    stamps = {p: p.stat().st_mtime_ns for p in records}
 
-    again = fidelity(tiny_dataset, tmp_path, "--arms", "vanilla,control", "--seeds", 2, *precise)
-    assert again.returncode == 0 and "4 of 4 runs reused" in again.stdout
-    assert {p: p.stat().st_mtime_ns for p in runs} == stamps
-    assert json.loads((tmp_path / "fidelity-cpu.json").read_text())["reused_runs"] == 4
+    experiment = json.loads((out / "fidelity" / "result.json").read_text())
+    assert [r["file"] for r in experiment["rows"]] == [f"{DEMO_TAG}/fidelity-cpu.json", f"{CONTROL_ROW}/fidelity-cpu.json"]
+    assert f"[fidelity-cpu.json]({CONTROL_ROW}/fidelity-cpu.md) ({CONTROL_ROW}) | control |" in \
+        (out / "fidelity" / "result.md").read_text()
+    record = results / "reproduce" / "fidelity"
+    assert json.loads((record / "result.json").read_text())["rows"] == experiment["rows"]
+    assert (record / CONTROL_ROW / "fidelity-cpu.json").read_bytes() == (row / "fidelity-cpu.json").read_bytes()
+    assert len(list((record / CONTROL_ROW / "train").glob("*/config.yaml"))) == 2  # the trainer arms' settings
+    assert not (record / CONTROL_ROW / "runs").exists()  # the per-arm records live in the row's JSON
+
+    again = fidelity(tiny_dataset, out)  # every row done: the sweep skips them
+    assert again.returncode == 0 and "0 trained, 0 evaluated, 2 skipped" in again.stdout
+    (row / "fidelity-cpu.json").unlink()  # a row killed after its last arm: its arms are reused, none retrained
+    resumed = fidelity(tiny_dataset, out)
+    assert resumed.returncode == 0 and "4 of 4 runs reused" in resumed.stdout and "1 fidelity rows measured" in resumed.stdout
+    assert {p: p.stat().st_mtime_ns for p in records} == stamps
+    assert json.loads((row / "fidelity-cpu.json").read_text())["reused_runs"] == 4
 
     readme = results / "README.md"
-    readme.write_text(f"# x\n\n{bench_readme.BEGIN}\n{bench_readme.END}\n\n{README_BEGIN}\nold\n{README_END}\n")
-    assert run_main("bench", "readme", "--results", results, "--readme", readme).returncode == 0
+    readme.write_text(f"# x\n\n{docs.BEGIN}\n{docs.END}\n\n{README_BEGIN}\nold\n{README_END}\n")
+    assert run_main("docs", "--results", results, "--readme", readme).returncode == 0
     text = readme.read_text()
-    assert "old" not in text and "[fidelity-cpu.json](fidelity/fidelity-cpu.md)" in text and "| control |" in text
-    assert text.count("re-estimated (2 batches)") == 2  # the BN statistics column, for both arms
-    assert text.count("| fp32 |") == 2  # the precision column: full precision on the CPU, trainer and control
-
-    changed = fidelity(tiny_dataset, tmp_path, "--arms", "control", "--seeds", 1, "--set", "optim.lr=0.001")
-    assert changed.returncode == 0 and "0 of 1 runs reused" in changed.stdout  # a changed setting retrains
-    assert len(list((tmp_path / "runs").glob("control-seed0-*.json"))) == 2
+    assert "old" not in text and f"[fidelity-cpu.json](reproduce/fidelity/{CONTROL_ROW}/fidelity-cpu.md)" in text
+    assert "| control |" in text
+    assert text.count("re-estimated (39 batches)") == 4  # the BN statistics column, for every arm of the row
+    assert text.count("| fp32 |") == 7  # the precision column: full precision on the CPU, trainer and control
 
 
-def test_bench_fidelity_data_without_train_split(tmp_path):
+def test_a_changed_setting_retrains_and_every_seed_is_kept(tiny_dataset, tmp_path, capsys):
+    runs, _ = plan(EXPERIMENTS["fidelity"], "tiny", str(tiny_dataset), str(tmp_path))
+    tiny = (*runs[0].steps[0].overrides, "anchor.mask_level=batch")  # the tiny data; the control's masking level
+    folder = tmp_path / "row"
+    step = FidelityRow(str(folder / "fidelity-cpu.json"), recipe="demo", arms=("control",), masked_batchnorm="update",
+                       seeds=2, overrides=tiny)
+    step.run("cpu", progress=False)
+    assert "0 of 2 runs reused" in capsys.readouterr().out
+    changed = FidelityRow(step.output, recipe="demo", arms=("control",), masked_batchnorm="update", seeds=1,
+                          overrides=(*step.overrides, "optim.lr=0.001"))
+    changed.run("cpu", progress=False)
+    assert "0 of 1 runs reused" in capsys.readouterr().out  # a changed setting retrains
+    assert len(list((folder / "runs").glob("control-seed0-*.json"))) == 2
+    step.run("cpu", progress=False)
+    result = json.loads((folder / "fidelity-cpu.json").read_text())
+    assert "2 of 2 runs reused" in capsys.readouterr().out and len(result["summary"]["control"]["id_top1"]["values"]) == 2
+
+
+def test_reproduce_fidelity_bad_data_is_one_line(tmp_path):
     (tmp_path / "val" / "a").mkdir(parents=True)
-    outcome = run_main("bench", "fidelity", "--data", tmp_path, "--out", tmp_path / "out", "--no-progress")
+    outcome = run_main("reproduce", "fidelity", "--data", tmp_path, "--out", tmp_path / "out", "--device", "cpu",
+                       "--no-progress")
     lines = [line for line in outcome.stderr.splitlines() if line.strip()]
-    assert outcome.returncode == 2 and len(lines) == 1 and "Traceback" not in outcome.stderr
-    assert lines[0].startswith("fastanchor: error: --data") and "no 'train/' folder" in lines[0]
-    assert not (tmp_path / "out").exists()
+    assert outcome.returncode != 0 and len(lines) == 1 and "Traceback" not in outcome.stderr
+    assert lines[0].startswith("fastanchor: error: ") and str(tmp_path) in lines[0]
+    assert not list((tmp_path / "out").rglob("fidelity-*.json"))
 
 
-def test_bench_fidelity_bad_options(tmp_path):
-    outcome = run_main("bench", "fidelity", "--arms", "standard,nonsense", "--out", tmp_path)
-    assert outcome.returncode == 2 and "--arms" in outcome.stderr.strip().splitlines()[-1]
+def test_reproduce_fidelity_bad_options(tmp_path):
+    outcome = run_main("reproduce", "fidelity", "--scale", "cifar", "--data", tmp_path, "--out", tmp_path, "--dry-run")
+    assert outcome.returncode == 2 and "--scale cifar" in outcome.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("amp, device, shown", [("bf16", "cpu", "bf16"), ("fp16", "cuda", "fp16"), ("auto", "cpu", "fp32"),
@@ -174,7 +211,7 @@ def test_committed_readme_fidelity_block_matches_committed_results():
     text = (repo / "docs" / "fidelity.md").read_text()
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     expected = readme_block(repo / "results", lambda path: os.path.relpath(path, repo / "docs"))
-    assert text[start:end] == expected, "docs/fidelity.md's fidelity block is stale: run `fastanchor bench readme`"
+    assert text[start:end] == expected, "docs/fidelity.md's fidelity block is stale: run `fastanchor docs`"
 
 
 def test_committed_readme_demo_block_matches_committed_results():
@@ -183,7 +220,7 @@ def test_committed_readme_demo_block_matches_committed_results():
     text = (repo / "README.md").read_text()
     start, end = text.index(DEMO_BEGIN), text.index(DEMO_END) + len(DEMO_END)
     expected = demo_block(repo / "results", lambda path: os.path.relpath(path, repo))
-    assert text[start:end] == expected, "README's demo block is stale: run `fastanchor bench readme`"
+    assert text[start:end] == expected, "README's demo block is stale: run `fastanchor docs`"
     assert f"fidelity/{DEMO_TAG}/fidelity-cpu.md" in expected and "| masking |" in expected and "Not yet" not in expected
     fidelity_rows = readme_block(repo / "results", lambda path: os.path.relpath(path, repo))
     for arm in ("standard", "vanilla", "masking"):  # the same means as the fidelity block's rows of that file
@@ -194,8 +231,7 @@ def test_committed_readme_demo_block_matches_committed_results():
 
 def test_arms_settings_from_the_recipe():
     base = load_config("demo", ["anchor.alpha=0.3"])
-    options = FidelityOptions(masked_batchnorm="skip")
-    standard, vanilla, masking = (trainer_config(base, arm, 3, options) for arm in ("standard", "vanilla", "masking"))
+    standard, vanilla, masking = (trainer_config(base, arm, 3, "skip") for arm in ("standard", "vanilla", "masking"))
     assert not standard.anchor.enabled and vanilla.anchor.enabled and masking.anchor.enabled
     assert vanilla.anchor.alpha == 0 and masking.anchor.alpha == 0.3 and masking.train.seed == 3
     if config_knows(base, "anchor.masked_batchnorm"):  # the key exists once the BatchNorm fix is in the config

@@ -4,7 +4,8 @@ reproduce <- the CLI.
 The layers, bottom first (a module may import its own layer and the layers below it, nothing above):
 
   root        fastanchor/__init__.py and the utility modules at the package root that every layer may
-              use: errors.py (the error family), files.py (atomic file writing), progress.py (progress output)
+              use: errors.py (the error family), files.py (atomic file writing), progress.py (progress output),
+              environment.py (the machine, libraries and commit a result file records)
   options     fastanchor/options/: option(), flags generated from options dataclasses, recipe files; every
               command declares its flags with it without importing anything heavier
   kernels     fastanchor/kernels/
@@ -50,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fas
 PACKAGE = "fastanchor"
 LAYERS = ("root", "options", "kernels", "pipeline", "trainer", "evaluation", "benchmarks", "reproduce", "cli")
 ROOT_MODULES = {"fastanchor": "root", "fastanchor.errors": "root", "fastanchor.files": "root", "fastanchor.progress": "root",
-                "fastanchor.__main__": "cli"}
+                "fastanchor.environment": "root", "fastanchor.__main__": "cli"}
 CLI_MODULES = {"fastanchor.__main__", "fastanchor.benchmarks.__main__"}  # and every module under cli/
 SUBPACKAGES = ("options", "kernels", "pipeline", "trainer", "evaluation", "benchmarks", "reproduce", "cli")
 TRAINER_PARTS = ("models", "core")  # bottom first; "core": the modules directly in trainer/ and trainer/checkpoint/

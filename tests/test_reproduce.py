@@ -28,7 +28,7 @@ from fastanchor.reproduce.scales import TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
 from fastanchor.trainer.config import load_config
 
-ANCHORING = [name for name, e in EXPERIMENTS.items() if e.paper == "000"]
+ANCHORING = [name for name, e in EXPERIMENTS.items() if e.paper == "000" and name != "fidelity"]  # fidelity: test_fidelity.py
 SFT = [name for name, e in EXPERIMENTS.items() if e.paper == "002" and name not in ("sft-control", "sft-demo")]  # the tables
 
 

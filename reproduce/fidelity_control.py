@@ -1,4 +1,4 @@
-"""The fidelity benchmark's control: the paper's Figure 3 in plain torch, with timm's model factory.
+"""The fidelity experiment's control: the paper's Figure 3 in plain torch, with timm's model factory.
 
 It shares nothing with fastanchor's trainer, pipeline or kernels, only the decoded uint8 tensors it
 is given. Per step: random crop + flip of the uint8 batch, ImageNet normalisation, references = a
