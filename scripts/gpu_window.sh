@@ -26,6 +26,7 @@
 # `fastanchor docs`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/machine.sh
 
 out=${1:-}
 [[ $# -gt 0 ]] && shift
@@ -114,22 +115,7 @@ if [[ -n $ffcv_wheel ]] && ! "$PYTHON" -c "import ffcv" 2>/dev/null; then
         export PYTHONPATH=$PYTHONPATH:/tmp/fastanchor-wheels
 fi
 export FASTANCHOR_TEST_DEVICE=$device
-{
-    date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; uname -a; nproc
-    command -v nvidia-smi >/dev/null && nvidia-smi
-    "$PYTHON" - <<'PY'
-import importlib, sys
-print("python", sys.version.split()[0], sys.executable)
-for name in ("fastanchor", "torch", "torchvision", "timm", "triton", "numba", "numpy", "cv2", "ffcv", "PIL"):
-    try:
-        module = importlib.import_module(name)
-        print(f"{name:12s} {getattr(module, '__version__', 'ok')} {getattr(module, '__file__', '')}")
-    except Exception as error:  # noqa: BLE001
-        print(f"{name:12s} missing ({type(error).__name__}: {error})")
-import torch
-print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())
-PY
-} >"$raw/environment.txt" 2>&1
+describe_machine "$PYTHON" >"$raw/environment.txt" 2>&1
 cat "$raw/environment.txt"
 
 fa=("$PYTHON" -m fastanchor)

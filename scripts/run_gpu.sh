@@ -29,6 +29,7 @@
 # The result files go into OUTDIR; copy them into results/ (commit them), then `fastanchor docs`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/machine.sh
 
 part=${1:-} out=${2:-} device=cuda pack=0
 shift $(($# < 2 ? $# : 2))
@@ -77,21 +78,7 @@ if ! "$PYTHON" -c "import fastanchor.benchmarks" 2>/dev/null || [[ ! -x $(dirnam
     "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps -e . || exit 1
 fi
 export FASTANCHOR_TEST_DEVICE=$device
-{
-    date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; uname -a; nproc
-    command -v nvidia-smi >/dev/null && nvidia-smi
-    "$PYTHON" - <<'PY'
-import importlib, sys
-print("python", sys.version.split()[0], sys.executable)
-for name in ("torch", "torchvision", "timm", "triton", "numba", "numpy", "cv2", "ffcv", "PIL", "nvidia.dali"):
-    try:
-        print(f"{name:12s} {getattr(importlib.import_module(name), '__version__', 'ok')}")
-    except Exception as error:  # noqa: BLE001
-        print(f"{name:12s} missing ({type(error).__name__}: {error})")
-import torch
-print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())
-PY
-} >"$raw/environment.txt" 2>&1
+describe_machine "$PYTHON" >"$raw/environment.txt" 2>&1
 cat "$raw/environment.txt"
 : >"$raw/stages.txt"
 
