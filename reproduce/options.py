@@ -13,8 +13,8 @@ from fastanchor.options.flags import OnDevice, Overrides
 class ReproduceFlags(Overrides, OnDevice):
     """The flags of `fastanchor reproduce` (ReproduceOptions adds the positional EXPERIMENT)."""
 
-    SETTABLE = ("data", "train.progress")  # what every step of every run takes: workers, batch sizes, where the data is
-    SET_SCOPE = "added last to every run of the sweep: its training, its evaluation and its other steps"
+    SET_SCOPE = ("added last to every run of the sweep, each step taking the ones its command takes: training every "
+                 "option, evaluate data.*, eval.* and train.progress")
 
     scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU)", choices=SCALES)
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastanchor.reproduce.steps import Evaluate, Step, Train
+from fastanchor.trainer.config import settable
 
 SCALES = ("tiny", "small", "cifar", "imagenet")
 
@@ -59,12 +60,16 @@ class Run:
 
     def with_overrides(self, overrides: tuple[str, ...]) -> "Run":
         """This run with `overrides` (`reproduce --set`) added last to its training, its evaluation and every explicit
-        step that takes --set overrides."""
+        step that takes --set overrides, each step the ones it takes (`Step.takes`: a step that starts from a
+        checkpoint takes no model or training option, as its command would not)."""
+        def taken(kind: type[Step]) -> tuple[str, ...]:
+            return tuple(o for o in overrides if settable(o.partition("=")[0].strip(), kind.takes))
+
         if not overrides:
             return self
-        steps = tuple(dataclasses.replace(step, overrides=(*step.overrides, *overrides)) if hasattr(step, "overrides")
-                      else step for step in self.steps)
-        return dataclasses.replace(self, train=(*self.train, *overrides), evaluate=(*self.evaluate, *overrides),
+        steps = tuple(dataclasses.replace(step, overrides=(*step.overrides, *taken(type(step))))
+                      if hasattr(step, "overrides") else step for step in self.steps)
+        return dataclasses.replace(self, train=(*self.train, *taken(Train)), evaluate=(*self.evaluate, *taken(Evaluate)),
                                    steps=steps)
 
     def all_steps(self, out: Path) -> tuple[Step, ...]:

@@ -9,6 +9,7 @@ A step is an ordinary fastanchor command with the file (or folder) whose presenc
     run()     the function that command calls, run in this process
     label     what the sweep prints while it runs (train steps say which run they train, and whether they resume)
     counted   how the sweep's closing line counts the steps of this kind that ran
+    takes     the options of `reproduce --set` it takes (sections or keys, as its command's --set; empty: every one)
 
 and its own fields. Adding a step kind is one class here and its entry in STEP_KINDS.
 """
@@ -39,6 +40,7 @@ class Step:
     kind = ""
     label = ""
     counted = ""
+    takes: tuple[str, ...] = ()  # empty: every option (a step that trains)
 
     def done(self) -> bool:
         return Path(self.output).exists()
@@ -77,6 +79,7 @@ class Evaluate(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "evaluate", "evaluating", "evaluated"
+    takes = ("data", "eval", "train.progress")  # it starts from a checkpoint
 
     def line(self, device: str) -> str:
         return shlex.join(["fastanchor", "evaluate", "--checkpoint", self.checkpoint, "--device", device,
@@ -114,6 +117,7 @@ class FinetuneOOD(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "finetune-ood", "finetune-ood", "fine-tuned"
+    takes = ("finetune_ood", "data", "eval", "train.progress")  # it starts from a checkpoint
 
     def line(self, device: str) -> str:
         return shlex.join(["fastanchor", "finetune-ood", "--checkpoint", self.checkpoint, "--out", self.folder,
@@ -180,6 +184,7 @@ class Robustness(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "robustness", "robustness", "robustness measured"
+    takes = ("data", "eval", "train.progress")  # it starts from a checkpoint
 
     def line(self, device: str) -> str:
         runs = [a for r in self.runs for a in ("--run", r)]
@@ -225,6 +230,7 @@ class SFTControl(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "sft-control", "sft-control", "control sweeps"
+    takes = ("finetune_ood", "data", "eval", "train.progress")  # it starts from a checkpoint
 
     def line(self, device: str) -> str:
         return python_line("from fastanchor.reproduce.sft_control_sweep import write_sweep; "
@@ -261,6 +267,7 @@ class DemoSetting(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "sft-setting", "sft-setting", "settings fine-tuned"
+    takes = ("finetune_ood", "data", "eval", "train.progress")  # it starts from a checkpoint
 
     def line(self, device: str) -> str:
         return python_line("from pathlib import Path; from fastanchor.reproduce.steps import finetune_kept_summary; "

@@ -18,6 +18,7 @@ from fastanchor.reproduce.options import ReproduceOptions
 from fastanchor.reproduce.record import write_index, write_record, write_results
 from fastanchor.reproduce.scales import setups
 from fastanchor.reproduce.steps import Train
+from fastanchor.trainer.config import load_config
 
 
 def command_lines(run: Run, out: str | Path, device: str) -> tuple[str, ...]:
@@ -92,6 +93,7 @@ def run_reproduce(options: ReproduceOptions, command: str) -> int:
     """`fastanchor reproduce EXPERIMENT ...` (`command`: the command line as typed): plan, then print (--dry-run),
     run, or only aggregate."""
     options.validate()
+    load_config(None, options.overrides)  # an unknown option or a bad value of --set: one line, before any plan
     experiment = EXPERIMENTS[options.experiment]
     scale = options.effective_scale
     runs, notes = plan(experiment, scale, options.data, options.out, options.seeds, options.device, options.progress)
