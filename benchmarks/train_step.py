@@ -34,7 +34,6 @@ from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchroniz
 from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
 from fastanchor.pipeline.anchoring import AnchoringStage
 from fastanchor.trainer.config import Config, with_overrides
-from fastanchor.trainer.step import TrainStep
 
 UNIT = "images/s"
 BENCH_LR = 0.01  # small enough that random labels never drive the weights to inf/NaN (which would change the speed)

@@ -72,7 +72,7 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
         assert row in summary, row
     # AUROC in percent in both tables (not 0.9159 in one and 91.59 in the next)
     anchored = results["anchored"]["ood"]["sets"]["ood_textures"]["energy"]["auroc"]
-    assert f"| OOD AUROC, energy on ood_textures (%) | " in summary and f" {100 * anchored:.2f} |" in summary
+    assert "| OOD AUROC, energy on ood_textures (%) | " in summary and f" {100 * anchored:.2f} |" in summary
     # every cell of the SFT table is its own run's number for that metric, read from finetune_ood/summary.json by
     # score and set name (the anchored model has a score, anchored_std, the standard one lacks: rows match by name)
     table = [line.split(" | ") for line in summary.split(sft_header)[1].splitlines()[2:] if line.startswith("| ")]

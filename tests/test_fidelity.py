@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import run_main
 from fastanchor.cli import docs
