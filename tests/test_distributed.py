@@ -15,6 +15,8 @@ from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
 from fastanchor.trainer.checkpoint.file import checkpoint_name
 
+pytestmark = pytest.mark.slow  # two training processes under torchrun, several times
+
 # GroupNorm, no BatchNorm: with BatchNorm each process would normalise by its own half batch's
 # statistics, a different function from one process's full batch, not a rounding difference.
 STANDARD = {"model.name": "test_efficientnet_gn", "anchor.enabled": "false", "optim.name": "sgd", "optim.lr": 0.05,

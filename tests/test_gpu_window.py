@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the GPU window's script, every stage: a minute and more
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_window.sh"
 STAGES = ["gpu-tests", "e2e-nvjpeg", "e2e-ffcv", "step", "step-compiled", "op", "loaders"]
@@ -30,7 +32,6 @@ def stage_lines(out: Path) -> dict[str, str]:
     return {line.split()[0]: line for line in lines}
 
 
-@pytest.mark.slow
 @pytest.mark.first
 def test_the_whole_window_rehearses_on_the_cpu(tmp_path):
     result = window(tmp_path, "--deadline", "500")

@@ -88,6 +88,7 @@ def expected_lr(config, step: int, steps_per_epoch: int) -> float:
     return peak * (start + (1 - start) * epoch / o.warmup_epochs)  # cosine recipes: still warming up
 
 
+@pytest.mark.slow  # every recipe trains: two minutes of the suite
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_trains_two_steps_on_a_tiny_dataset_of_its_shape(name, imagenet_shaped, cifar_pickles, tmp_path):
     recipe = load_recipe(name)  # loads and validates, and its `about` has what the tables need
