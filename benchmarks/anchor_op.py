@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
+import math
 import os
 import time
 from typing import Callable
@@ -79,6 +81,15 @@ def check_against_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.
             "within_one_ulp": bool((difference <= tolerance).all())}
 
 
+def input_rotation(asked: int, batch_bytes: int, l2_bytes: int) -> int:
+    """How many distinct input batches the op cycles through: `asked`, or (0) enough that they fill three times the
+    L2 cache (`l2_bytes`, the GPU's; 0 on the CPU: one batch), so that no call reads its input from the cache the
+    previous calls warmed (the copy it is held against streams more than L2 by itself)."""
+    if asked:
+        return asked
+    return max(1, math.ceil(3 * l2_bytes / batch_bytes))
+
+
 def timed_calls(call: Callable[[], object], iterations: int, device: torch.device, items_per_call: float) -> Measurement:
     synchronize(device)
     started = time.perf_counter()
@@ -107,7 +118,9 @@ def run_op_benchmark(options: OpOptions, command: str):
     else:
         dtype = DTYPES[options.dtype]
     per_call = op_bytes(batch_size, image_size, dtype)
-    batches = synthetic_batches(1, batch_size, image_size, options.num_classes, device, options.seed)
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
+    rotation = input_rotation(options.input_batches, batch_size * 3 * image_size * image_size, l2_bytes)
+    batches = synthetic_batches(rotation, batch_size, image_size, options.num_classes, device, options.seed)
     images = batches[0][0]
     index = derangement(batch_size, torch.Generator().manual_seed(options.seed)).to(device)
     masked = torch.zeros(batch_size, dtype=torch.bool, device=device)
@@ -129,8 +142,10 @@ def run_op_benchmark(options: OpOptions, command: str):
             continue
 
         def call(function=function):
-            return function(images, images, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype, reference_index=index)
+            x = batches[next(calls) % rotation][0]
+            return function(x, x, masked, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype, reference_index=index)
 
+        calls = itertools.count()  # each call reads the next batch (from memory, not an L2 the last call warmed); the check batch 0
         check = check_against_reference(call(), want, dtype)
         if not check["within_one_ulp"]:
             cases.append(not_available(name, UNIT, f"differs from the torch reference by {check['max_abs_diff']:.3g} "
@@ -145,7 +160,7 @@ def run_op_benchmark(options: OpOptions, command: str):
         step_config = derived_config(config, {"model.name": step_model, "data.image_size": image_size,
                                               "data.batch_size": batch_size, "train.seed": options.seed})
         setup = TrainingSetup(step_config, anchored=True, device=device, num_classes=options.num_classes)
-        cases.append(step_case(step_name, setup, setup.stage(0.0, options.seed), batches, steps, model=step_model,
+        cases.append(step_case(step_name, setup, setup.stage(0.0, options.seed), batches[:1], steps, model=step_model,
                                steps_per_repetition=steps))
         for path in names_list(options.paths):
             derived.append(Derived(f"{path}: share of a training step", step_name, f"op: {path}",
@@ -153,9 +168,10 @@ def run_op_benchmark(options: OpOptions, command: str):
                                    meaning=f"{path} op time per call over one anchored {step_model} step"))
     notes = [f"batch {batch_size}, {image_size} px, uint8 channels-last input, {str(dtype).replace('torch.', '')} "
              f"channels-last output, in-batch derangement references: {per_call / 1e6:.1f} MB moved per call; "
-             f"{iterations} calls per repetition"]
+             f"{iterations} calls per repetition, cycling through {rotation} input batch(es) "
+             f"({rotation * batch_size * 3 * image_size * image_size / 1e6:.0f} MB)"]
     return run_and_write("op", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
                          config=config, config_extra={"resolved": {"batch_size": batch_size, "image_size": image_size,
                                                     "dtype": str(dtype).replace("torch.", ""), "iterations": iterations,
                                                     "steps": steps, "step_model": step_model,
-                                                    "bytes_per_call": per_call}})
+                                                    "bytes_per_call": per_call, "input_batches": rotation}})

@@ -189,6 +189,7 @@ class OpOptions(SyntheticOptions):
     iterations: int = option(0, "op calls per repetition (0: 10 on CPU, 200 on CUDA)")
     step_model: str = option("", "step the op is compared with ('': fastanchor_resnet_tiny on CPU, resnet50 on CUDA; none: skip)")
     steps: int = option(0, "training steps per repetition (0: 3 on CPU, 20 on CUDA)")
+    input_batches: int = option(0, "distinct input batches the op cycles through (0: 3x the GPU's L2 cache of them; 1 on CPU)")
 
     def checks(self):
         unknown = [p for p in names_list(self.paths) if p not in OP_PATHS]
@@ -199,6 +200,7 @@ class OpOptions(SyntheticOptions):
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
             ("iterations", self.iterations >= 0, "0 (by device) or a positive count"),
             ("steps", self.steps >= 0, "0 (by device) or a positive count"),
+            ("input_batches", self.input_batches >= 0, "0 (beyond the L2 cache) or a positive count"),
         ]
 
 

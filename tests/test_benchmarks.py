@@ -711,3 +711,14 @@ def test_every_benchmark_help_shows_only_options_it_reads_with_the_defaults_it_u
             if not found or found.group(1).replace(" ", "") != str(default).replace(" ", ""):  # wrapped anywhere
                 problems.append(f"{flag}: {shown[flag]!r}, default {default!r}")
     assert not problems, f"bench {name}: {problems}"
+
+
+def test_the_op_reads_its_inputs_from_beyond_the_l2_cache():
+    """The op cycles through enough distinct input batches to fill 3x the GPU's L2 (H200: 60 MB; ResNet-50's batch of
+    256 at 176 px is 23.8 MB of uint8: 8 batches), so no call re-reads what the last one left in the cache."""
+    from fastanchor.benchmarks.anchor_op import input_rotation
+
+    batch = 256 * 3 * 176 * 176
+    assert input_rotation(0, batch, 60 * 2**20) == 8 and 8 * batch >= 3 * 60 * 2**20 > 7 * batch
+    assert input_rotation(0, batch, 0) == 1  # the CPU: one batch (a rehearsal, not a figure)
+    assert input_rotation(5, batch, 60 * 2**20) == 5  # --input-batches N
