@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fastanchor.options.option import option
 from fastanchor.options.flags import FromCheckpoint, OnDevice
-from fastanchor.trainer.config import Recipe, TrainingRecipe
+from fastanchor.trainer.config import FINE_TUNING, FROM_CHECKPOINT, Recipe, TrainingRecipe
 from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
 
 
@@ -29,7 +29,7 @@ class TrainOptions(TrainingRecipe):
 
 @dataclass
 class EvaluateOptions(FromCheckpoint):
-    SETTABLE = ("data", "eval", "train.progress")
+    SETTABLE = FROM_CHECKPOINT
     json: bool = option(False, "print the whole eval.json to stdout instead of the summary")
 
 
@@ -37,13 +37,13 @@ class EvaluateOptions(FromCheckpoint):
 class FinetuneOODOptions(FromCheckpoint):
     """Writes finetuned.pt, summary.json, summary.md and metrics.jsonl into --out."""
 
-    SETTABLE = ("finetune_ood", "data", "eval", "train.progress")
+    SETTABLE = FINE_TUNING
     out: str = option("", "output directory ('': <run>/finetune_ood beside the checkpoint's run)")
 
 
 @dataclass
 class RobustnessOptions(RobustnessSpec, OnDevice):
-    SETTABLE = ("data", "eval", "train.progress")
+    SETTABLE = FROM_CHECKPOINT
 
     runs: list = option([], "run directory with checkpoints/ (repeatable: standard and anchored runs on one chart)",
                         flag="--run", metavar="RUN_DIR", required=True)

@@ -22,6 +22,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
+
+from fastanchor.files import atomic_write_bytes
+from fastanchor.trainer.config import FINE_TUNING, FROM_CHECKPOINT
 
 
 def python_line(code: str) -> str:
@@ -40,7 +44,7 @@ class Step:
     kind = ""
     label = ""
     counted = ""
-    takes: tuple[str, ...] = ()  # empty: every option (a step that trains)
+    takes: ClassVar[tuple[str, ...]] = ()  # empty: every option (a step that trains)
 
     def done(self) -> bool:
         return Path(self.output).exists()
@@ -79,7 +83,7 @@ class Evaluate(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "evaluate", "evaluating", "evaluated"
-    takes = ("data", "eval", "train.progress")  # it starts from a checkpoint
+    takes = FROM_CHECKPOINT
 
     def line(self, device: str) -> str:
         return shlex.join(["fastanchor", "evaluate", "--checkpoint", self.checkpoint, "--device", device,
@@ -117,7 +121,7 @@ class FinetuneOOD(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "finetune-ood", "finetune-ood", "fine-tuned"
-    takes = ("finetune_ood", "data", "eval", "train.progress")  # it starts from a checkpoint
+    takes = FINE_TUNING
 
     def line(self, device: str) -> str:
         return shlex.join(["fastanchor", "finetune-ood", "--checkpoint", self.checkpoint, "--out", self.folder,
@@ -184,7 +188,7 @@ class Robustness(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "robustness", "robustness", "robustness measured"
-    takes = ("data", "eval", "train.progress")  # it starts from a checkpoint
+    takes = FROM_CHECKPOINT
 
     def line(self, device: str) -> str:
         runs = [a for r in self.runs for a in ("--run", r)]
@@ -230,7 +234,7 @@ class SFTControl(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "sft-control", "sft-control", "control sweeps"
-    takes = ("finetune_ood", "data", "eval", "train.progress")  # it starts from a checkpoint
+    takes = FINE_TUNING
 
     def line(self, device: str) -> str:
         return python_line("from fastanchor.reproduce.sft_control_sweep import write_sweep; "
@@ -254,8 +258,8 @@ def finetune_kept_summary(checkpoint: str | Path, overrides: list[str], destinat
                             *(f"--set {o}" for o in overrides)])
         destination.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(scratch) / "summary.md", destination / "summary.md")
-        (destination / "summary.tmp.json").write_text(json.dumps({**summary, "command": command}, indent=2))
-        (destination / "summary.tmp.json").replace(destination / "summary.json")
+        text = json.dumps({**summary, "command": command}, indent=2).encode()
+        atomic_write_bytes(destination / "summary.json", lambda handle: handle.write(text))
 
 
 @dataclass(frozen=True)
@@ -267,7 +271,7 @@ class DemoSetting(Step):
     overrides: tuple[str, ...] = ()
 
     kind, label, counted = "sft-setting", "sft-setting", "settings fine-tuned"
-    takes = ("finetune_ood", "data", "eval", "train.progress")  # it starts from a checkpoint
+    takes = FINE_TUNING
 
     def line(self, device: str) -> str:
         return python_line("from pathlib import Path; from fastanchor.reproduce.steps import finetune_kept_summary; "

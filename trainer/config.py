@@ -238,6 +238,11 @@ def recipe_defaults(recipe: str = DEFAULT_RECIPE) -> Config:
     return config
 
 
+# What a command that starts from a checkpoint takes by --set (the rest comes from the checkpoint), and a fine-tuning
+FROM_CHECKPOINT = ("data", "eval", "train.progress")
+FINE_TUNING = ("finetune_ood", *FROM_CHECKPOINT)
+
+
 def settable(key: str, sections: typing.Sequence[str]) -> bool:
     """Whether `--set key=...` is one a command takes: `sections` names sections ('eval') and single keys
     ('train.progress'); empty: every option."""
