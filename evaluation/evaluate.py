@@ -67,6 +67,7 @@ from fastanchor.evaluation.metrics import (
     negative_log_likelihood,
     smooth_ece,
 )
+from fastanchor.evaluation.shortcut import shortcut_probe
 from fastanchor.trainer.models import ModelError
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
 from fastanchor.trainer.tensorboard_log import EventLog
@@ -389,6 +390,9 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         result["id"]["top1_blt"] = accuracy(id_outputs["blt"])["top1"]
         result["ms_per_1000"]["blt"] = id_outputs["blt"].ms_per_1000
     result["id"]["by_protocol"] = protocol_results(id_outputs, e.ece_bins)
+    probe = anchored and e.shortcut_probe != "off"
+    if probe:  # does the model use its reference? (evaluation/shortcut.py)
+        result["shortcut"] = {"validation": shortcut_probe(model, id_loader(), ev.references, seed=e.seed)}
     if anchored:
         blt_note = {"id": "top1_blt and by_protocol.blt use bilinear transduction on the validation split only; ",
                     "all": "by_protocol.blt uses bilinear transduction, on every set; "}[e.blt_sets] if ev.blt else ""
@@ -408,6 +412,9 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
         one = outputs["one_reference"].restricted(eval_set.class_subset)
         shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(one), **calibration(one, e.ece_bins),
                                         "by_protocol": protocol_results(outputs, e.ece_bins, eval_set.class_subset)}
+        if probe and e.shortcut_probe == "all":
+            result["shortcut"][eval_set.name] = shortcut_probe(model, loader_for(eval_set.dataset, d, device), ev.references,
+                                                               seed=e.seed, class_subset=eval_set.class_subset)
         group = eval_set.benchmark if eval_set.kind == "corruption" else eval_set.name  # corruptions pooled per benchmark
         reliability_groups.setdefault(group, []).append(
             confidences_and_outcomes(one.probs.double().numpy(), one.labels.numpy()))

@@ -12,8 +12,11 @@ import numpy as np
 import yaml
 
 from fastanchor.files import read_json
+from fastanchor.reproduce.convergence import PLATEAU, epoch_records, plateau_of
 from fastanchor.reproduce.extract import metrics_of, natural
 from fastanchor.reproduce.runs import Experiment, Run
+from fastanchor.reproduce.steps import Train
+from fastanchor.reproduce.verdicts import verdicts
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
 
@@ -90,7 +93,7 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
             if key not in seen:
                 seen.add(key)
                 rows.append({"run": run.name, "setup": run.setup, "arm": arm, "value": value, "seed": run.seed,
-                             "metrics": metrics})
+                             "metrics": metrics, "training": training_of(run, out)})
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["setup"], row["arm"], json.dumps(row["value"])), []).append(row)
@@ -109,5 +112,12 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
                         "metrics": stats, "paper_setup": compared,
                         "paper": {k: {"number": e["number"], "source": e["source"]} for k, e in numbers.items() if e}})
     finished = {"finished": len(runs) - len(missing)} if experiment.rows else {}  # rows are not runs there
-    return {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
-            "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)"}
+    result = {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
+              "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)", "convergence_rule": PLATEAU.text()}
+    return {**result, "verdicts": verdicts(result, experiment.paper)}
+
+
+def training_of(run: Run, out: Path) -> dict | None:
+    """Whether the run's training had plateaued (convergence.py), from its metrics.jsonl; None without one."""
+    trained = [step for step in run.all_steps(out) if isinstance(step, Train)]
+    return plateau_of(epoch_records(Path(trained[0].output).parent / "metrics.jsonl")) if trained else None

@@ -37,8 +37,9 @@ def arm_overrides(setup: Setup, arm: str) -> tuple[str, list[str]]:
         return setup.standard, ["anchor.enabled=false"]
     if arm == "anchored":
         return setup.anchored, ["anchor.enabled=true", "anchor.alpha=0.0"]
-    if arm == "masking":
-        return setup.anchored, ["anchor.enabled=true", f"anchor.alpha={setup.alpha}", "anchor.mask_level=batch"]
+    if arm == "masking":  # as many labelled steps as the unmasked arms (train.equal_labelled_steps: epochs / (1 - alpha))
+        return setup.anchored, ["anchor.enabled=true", f"anchor.alpha={setup.alpha}", "anchor.mask_level=batch",
+                                "train.equal_labelled_steps=true"]
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -54,8 +55,15 @@ def reference_set(setup: Setup, arm: str, size) -> list[str]:
     return ["anchor.references=fixed", f"anchor.fixed_size={count}", *no_resizing]
 
 
+ALPHA_ONE_LABELLED = "1.0-label"  # alpha 1 with the labels kept on masked inputs: the reading of the paper's 57.9
+
+
 def alpha(setup: Setup, arm: str, value) -> list[str]:
-    return [f"anchor.alpha={value}"]
+    """Table 4: alpha, with equal labelled steps where a step still carries labels (alpha 1 with the uniform target
+    has none: trained for train.epochs, said so in docs/reproduce.md)."""
+    if value == ALPHA_ONE_LABELLED:
+        return ["anchor.alpha=1.0", "anchor.masked_target=label"]
+    return [f"anchor.alpha={value}"] + (["train.equal_labelled_steps=false"] if float(value) == 1.0 else [])
 
 
 AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; AugMix beside them
@@ -76,6 +84,9 @@ def label_noise(setup: Setup, arm: str, value) -> list[str]:
     return [f"data.label_noise={value / 100}"] if value else []  # percent of training labels
 
 
+# Small-scale epochs of every anchoring experiment, fixed before the issue-36 runs: the demo recipe's 24 lifted so
+# that every arm plateaus (reproduce/convergence.py records whether it did); masking trains 1 / (1 - alpha) as many.
+SMALL_EPOCHS = 30
 SEVERITY_5 = Evaluation(severities=(5,))
 CORRUPTION_C = Evaluation()
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
@@ -84,10 +95,11 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         "Figure 1", "|R|",
         {"tiny": (5, WHOLE), "small": (5, 10, 50, 500, WHOLE), "cifar": (5, 10, 50, 100, 500, 1000, 5000, WHOLE),
          "default": (5, 50, 500, 5000, WHOLE)},
-        ARMS, 3, 12, {"default": CORRUPTION_C},
+        ARMS, 3, SMALL_EPOCHS, {"default": CORRUPTION_C},
         View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)", log_x=True),
         reference_set, arm_values=lambda arm, values: (None,) if arm == "standard" else values,
-        setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18")}),
+        setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18"), "small": ("demo", "hard", "demo_resnet18")},
+        setup_values={"demo_resnet18": (50, WHOLE)}),
     Experiment(
         "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
         "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
@@ -100,35 +112,49 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         setups={"cifar": ("cifar100_resnet18",)}),
     Experiment(
         "tab1", "generalisation: ID and corruption accuracy per severity on C and C-bar",
-        "Table 1 (CIFAR); Tables 2 and 6 (ImageNet)", "", {"default": (None,)}, ARMS, 2, 24,
+        "Table 1 (CIFAR); Tables 2 and 6 (ImageNet)", "", {"default": (None,)}, ARMS, 3, SMALL_EPOCHS,
         {"default": Evaluation(corruptions_bar=True), "imagenet": Evaluation(corruptions_bar=True, datasets=True)},
         View(("id_top1", r"c_sev\d", r"cbar_sev\d", r"[a-z-]+_top1", "smece_mean"), "severity",
              (r"c_sev\d", r"cbar_sev\d"), "mean corruption top-1 (%)"),
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18", "cifar100_wrn40_2"),
-                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")}),
+                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b"), "small": ("demo", "hard", "demo_resnet18")}),
     Experiment(
         "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
-        ARMS, 2, 24, {"default": Evaluation(corruptions=False, ood=True, references=10)},
-        View(("id_top1", r"auroc_[a-z]+", r"auroc_energy_.+"), "bars_metrics", (r"auroc_[a-z]+",), "AUROC (%)"),
-        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b")},
+        ARMS, 3, SMALL_EPOCHS, {"default": Evaluation(corruptions=False, ood=True, references=10)},
+        View(("id_top1", r"auroc_[a-z]+_.+"), "bars_metrics", (r"auroc_energy_.+",), "energy AUROC per OOD set (%)",
+             ((("auroc_msp_.+",), "MSP AUROC per OOD set (%)"),)),
+        setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b"),
+                "small": ("demo", "hard", "demo_resnet18")},
         trained_by="tab1"),
     Experiment(
+        "shortcut", "the shortcut probe: does an anchored model use its reference? [r, x-r] vs [r', x-r] vs [0, x-r]",
+        "Section 3 (the argument for masking)", "|R|",
+        {"tiny": (5, WHOLE), "small": (5, 50, 500, WHOLE), "cifar": (5, 50, 500, 5000, WHOLE),
+         "default": (5, 50, 500, 5000, WHOLE)},
+        ("anchored", "masking"), 3, SMALL_EPOCHS, {"default": Evaluation(severities=(3, 5), shortcut="all")},
+        View(("shortcut_.+", "c_shortcut_.+"), "curve", ("shortcut_unchanged_by_swap", "c_shortcut_unchanged_by_swap"),
+             "predictions the swapped reference leaves unchanged (%)", log_x=True),
+        reference_set, setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18"), "small": ("demo", "hard", "demo_resnet18")},
+        setup_values={"demo_resnet18": (50, WHOLE)}, trained_by="fig1"),
+    Experiment(
         "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
-        {"tiny": (0.0, 1.0), "default": (0.0, 0.25, 0.5, 0.75, 1.0)}, ("masking",), 3, 12,
+        {"tiny": (0.0, 1.0), "small": (0.0, 0.25, 0.5, 1.0, ALPHA_ONE_LABELLED), "default": (0.0, 0.25, 0.5, 0.75, 1.0)},
+        ("masking",), 3, SMALL_EPOCHS,
         {"default": CORRUPTION_C}, View(("id_top1", "c_mean"), "curve", ("id_top1", "c_mean"), "top-1 (%)"), alpha,
-        setups={"cifar": ("cifar100_resnet18",)}),
+        setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}),
     Experiment(
         "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
         "Figure 5a", "augmentation",
-        {"tiny": ("geometric", "augmix", "pixmix"), "default": tuple(AUGMENTATIONS)}, ARMS, 2, 12,
+        {"tiny": ("geometric", "augmix", "pixmix"), "small": ("geometric", "trivialaugment", "pixmix"),
+         "default": tuple(AUGMENTATIONS)}, ARMS, 3, SMALL_EPOCHS,
         {"default": SEVERITY_5}, View(("c_sev5", "id_top1"), "bars_values", ("c_sev5",), "corruption top-1 at severity 5 (%)"),
-        augmentation, setups={"cifar": ("cifar100_resnet18",)}),
+        augmentation, setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}),
     Experiment(
         "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
-        "label noise (%)", {"tiny": (0, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 2, 8,
-        {"default": CORRUPTION_C},
+        "label noise (%)", {"tiny": (0, 20), "small": (0, 5, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 3,
+        SMALL_EPOCHS, {"default": CORRUPTION_C},
         View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"), label_noise,
-        setups={"cifar": ("cifar100_resnet18",)}),
+        setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}),
     *SFT_EXPERIMENTS,
     SFT_CONTROL,
     SFT_DEMO,
@@ -166,15 +192,21 @@ def trained_elsewhere(run: Run, trainer: str, out: str) -> tuple[Train, Link, Ev
 
 
 def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
-         progress: bool = True) -> tuple[list[Run], list[str]]:
-    """Every run of `experiment` at `scale`, and notes on the data the plan found or left out."""
+         progress: bool = True, only_setups: tuple[str, ...] = (), only_values: tuple[str, ...] = ()
+         ) -> tuple[list[Run], list[str]]:
+    """Every run of `experiment` at `scale` (only those setups and swept values, where given), and notes on the data
+    the plan found or left out."""
     if scale not in experiment.scales:
         raise ConfigError(f"--scale {scale}: {experiment.name} runs at {', '.join(experiment.scales)} "
                           f"(docs/reproduce.md says why)")
     if experiment.planner:
+        if only_setups or only_values:
+            raise ConfigError(f"--setups and --values choose among the anchoring experiments' runs; {experiment.name} "
+                              f"plans its own")
         return experiment.planner(experiment, scale, data, out, seeds, device, progress)
     found = setups(scale, data)
-    names = experiment.setups.get(scale, (next(iter(found)),))
+    names = [n for n in experiment.setups.get(scale, ()) if n in found] or [next(iter(found))]  # --data: its one setup
+    names = [n for n in names if not only_setups or n in only_setups]
     count = seeds or (1 if scale == "tiny" else experiment.seeds)
     ev = experiment.evaluation_at(scale)
     runs, notes = [], []
@@ -183,7 +215,10 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
         notes += [n for n in setup.notes_for(ev) if n not in notes]
         for arm in experiment.arms:
             recipe, arm_sets = arm_overrides(setup, arm)
-            for value in experiment.arm_values(arm, experiment.values_at(scale)):
+            values = experiment.setup_values.get(name, experiment.values_at(scale))
+            for value in experiment.arm_values(arm, values):
+                if only_values and value is not None and value_slug(value) not in only_values:
+                    continue
                 for seed in range(count):
                     parts = [setup.name, arm] + ([AXIS_KEYS[experiment.axis] + value_slug(value)]
                                                  if value is not None else []) + [f"s{seed}"]

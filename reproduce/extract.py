@@ -9,6 +9,8 @@ What is read from each run's eval.json (metric keys, shared with paper_numbers/*
   smece_mean, smece_std                 smoothed ECE across the shift sets
   auroc_<score>, auroc_<score>_<set>    anomaly-rejection AUROC (%) per score: mean over OOD sets, and per set
   auroc_energy_vision_ood               mean energy AUROC over iSUN, Textures and Places365 (the paper's "Vision OOD")
+  shortcut_<k>, c_shortcut_<k>          the shortcut probe (top1_anchored, top1_swapped, top1_masked, unchanged_by_swap)
+                                        on the ID split, and its mean over the corruption sets
   ms_one, ms_k, ms_blt                  ms per 1000 ID images of each protocol
   ms_one_pooled, ms_k_pooled, ms_blt_pooled   ms per 1000 images over every set the protocol ran on
 The per-protocol shift numbers come from eval.json's by_protocol block where it has one (else from
@@ -80,7 +82,22 @@ def metrics_of(result: dict) -> dict[str, float]:
         vision = [m.get(f"auroc_energy_{name}") for name in VISION_OOD]
         if all(v is not None for v in vision):
             m["auroc_energy_vision_ood"] = float(np.mean(vision))
+    for key, value in shortcut_metrics(result.get("shortcut", {}), result.get("shifts", {})).items():
+        m[key] = value
     return {k: float(v) for k, v in m.items() if v is not None}
+
+
+SHORTCUT_KEYS = ("top1_anchored", "top1_swapped", "top1_masked", "unchanged_by_swap")
+
+
+def shortcut_metrics(probe: dict, shifts: dict) -> dict[str, float]:
+    """eval.json's shortcut probe as metric keys: shortcut_<key> on the validation split, c_shortcut_<key> the mean
+    over the corruption sets it ran on (evaluation/shortcut.py)."""
+    m = {f"shortcut_{key}": probe["validation"][key] for key in SHORTCUT_KEYS if key in probe.get("validation", {})}
+    corrupted = [values for name, values in probe.items() if shifts.get(name, {}).get("kind") == "corruption"]
+    for key in SHORTCUT_KEYS if corrupted else ():
+        m[f"c_shortcut_{key}"] = float(np.mean([values[key] for values in corrupted]))
+    return m
 
 
 def natural(text: str):

@@ -72,6 +72,8 @@ def curve_panel(ax, groups: list[dict], metric: str, arms: list[str], colours: d
     """A metric against the swept value, a line per arm; `whole_size`: the training set's size (0: unknown)."""
     values = [v for v in dict.fromkeys(g["value"] for g in groups) if v is not None]
     numeric = [v for v in values if isinstance(v, (int, float))] or [1]
+    values = [v for v in values if v == WHOLE or isinstance(v, (int, float))]  # a named variant (tab4's alpha 1 with
+    groups = [g for g in groups if g["value"] is None or g["value"] in values]  # labels): in the table, not on the axis
     xs = {v: x_position(v, whole_size, max(numeric)) for v in values}
     for arm in arms:
         mine = sorted((g for g in groups if g["arm"] == arm and metric in g["metrics"]),

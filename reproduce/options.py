@@ -20,6 +20,8 @@ class ReproduceFlags(Overrides, OnDevice):
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")
     out: str = option("runs/reproduce", "where <experiment>/<run>/ and the aggregated result files are written")
     seeds: int = option(0, "seeds per configuration (0: the experiment's default)")
+    setups: str = option("", "only these setups, comma-separated (e.g. demo,hard; '': all of the scale's)")
+    values: str = option("", "only these swept values, comma-separated as in the run names (e.g. 50,whole; '': all)")
     dry_run: bool = option(False, "print every run's train and evaluate command lines; run nothing")
     tiny: bool = option(False, "the same as --scale tiny: a few steps on a tiny dataset, for CI")
     max_runs: int = option(0, "stop after training this many runs (0: all); a later call goes on from there")
@@ -41,6 +43,14 @@ result.md and result.png beside them."""
         from fastanchor.reproduce.experiments import experiment_lines
 
         return experiment_lines()
+
+    @property
+    def setup_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.setups.split(",") if name.strip())
+
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        return tuple(value.strip() for value in self.values.split(",") if value.strip())
 
     @property
     def effective_scale(self) -> str:

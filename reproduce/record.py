@@ -11,6 +11,7 @@ from fastanchor.files import atomic_write_bytes, read_json, replace_folder
 from fastanchor.reproduce.experiments import EXPERIMENTS
 from fastanchor.reproduce.figures import figure
 from fastanchor.reproduce.tables import markdown
+from fastanchor.reproduce.verdicts import line, rule_text, rules, verdicts
 
 
 def write_results(result: dict, folder: Path, whole: dict[str, int] | None = None) -> dict[str, Path]:
@@ -39,7 +40,18 @@ def readme(result: dict) -> str:
             "- what the paper found, what we measure and why they differ: docs/reproduce.md, section "
             + result["experiment"]]
     table = markdown(result, EXPERIMENTS[result["experiment"]].view).split("\n")
-    return "\n".join(table[:2] + [line for line in made if line] + table[2:])
+    paper = result.get("paper_file", "000.yaml").removesuffix(".yaml")
+    judged = verdicts(result, paper) if rules(result["experiment"], paper)[1] else []
+    verdict_lines = ["", "## Verdicts", "", rule_text(paper), "", *map(line, judged), ""] if judged else []
+    return "\n".join(table[:2] + [text for text in made if text] + verdict_lines + table[2:])
+
+
+def rewrite_readmes(records: Path) -> None:
+    """Every record's README.md under `records` regenerated from its result.json (the verdicts follow the rules)."""
+    for path in sorted(Path(records).glob("*/result.json")):
+        text = readme(read_json(path, "reproduction record"))
+        if not (path.parent / "README.md").is_file() or (path.parent / "README.md").read_text() != text:
+            atomic_write_bytes(path.parent / "README.md", lambda h, text=text: h.write(text.encode()))
 
 
 def write_record(result: dict, figure: Path | None, folder: Path) -> Path:

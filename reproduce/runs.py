@@ -111,6 +111,7 @@ class Experiment:
     # the experiment whose training runs this one evaluates ('': its own): the same setups, arms, seeds and
     # epochs, so each model is trained once, in that experiment's folder, and hard-linked into this one's
     trained_by: str = ""
+    setup_values: dict[str, tuple] = field(default_factory=dict)  # a setup that runs fewer values than `values` says
 
     def values_at(self, scale: str) -> tuple:
         return self.values.get(scale, self.values["default"])

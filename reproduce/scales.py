@@ -1,9 +1,11 @@
 """Where and how big: the setups (recipe, data, evaluation sets) an experiment's runs use at each scale.
 
 - tiny: the demo recipe on a 48-image embedded dataset, one epoch of a few steps (CI);
-- small: the demo recipe on the embedded dataset (configs/demo.yaml's), epochs set per experiment
-  so that one experiment fits about an hour on a 2-core CPU; corruptions on the fly at CIFAR-10-C's
-  32 px strengths;
+- small: the demo recipe on the embedded dataset (configs/demo.yaml's; setup "demo"), on its harder setting
+  (setup "hard": 12 classes, embedded.hardness=1, where standard training does not saturate) and, for fig1 and tab1,
+  with the CIFAR ResNet-18 on the embedded data (setup "demo_resnet18", the higher-capacity row); epochs set per
+  experiment; corruptions on the fly at CIFAR-10-C's 32 px strengths. `--data FOLDER` replaces them with one setup
+  on your own ImageFolder tree (train/, val/, optionally val-c/<corruption>/<severity>/<class>/<image>);
 - cifar: the paper's CIFAR recipes (configs/cifar/) as they stand, data under --data ROOT;
 - imagenet: the paper's ImageNet transformer recipes (configs/imagenet/swinv2_*, vit_b16) as they stand.
 
@@ -25,6 +27,8 @@ from pathlib import Path
 TINY_EMBEDDED = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
 SMALL_DATA = "data/embedded_demo"  # the demo recipe's data.root: generated once, shared with `fastanchor demo`
 SMALL_TRAIN_IMAGES = 5000          # the demo recipe's 10 classes x 500 training images
+HARD_DATA = "data/embedded_hard"   # the harder setting's data.root
+HARD_EMBEDDED = dict(hardness=1, num_classes=12)  # 12 classes x 500 training images (the demo recipe's per class)
 PAPER_SEVERITIES = (1, 2, 3, 4, 5)
 # small scale: 9 of CIFAR-10-C's 19 corruptions (noise, blur, digital), the cheap ones to make on the fly
 SMALL_CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "gaussian_blur", "defocus_blur",
@@ -47,6 +51,7 @@ class Evaluation:
     severities: tuple[int, ...] = PAPER_SEVERITIES
     references: int = 1             # K of the K-reference protocol (1: the paper's single random reference only)
     blt: bool = False               # bilinear transduction
+    shortcut: str = "id"            # the shortcut probe (evaluation/shortcut.py): off, id, or all (every shift set too)
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,8 @@ class Setup:
         severities = (ev.severities[0], ev.severities[-1]) if self.few else ev.severities
         names = ("gaussian_noise", "contrast") if self.few else self.corruptions or CORRUPTIONS[self.corruption_parameters]
         s = [f"eval.severities={flow(dict.fromkeys(severities))}", f"eval.num_references={ev.references}",
-             f"eval.blt={str(ev.blt).lower()}", "eval.plots=false", f"eval.max_images={self.max_images}"]
+             f"eval.blt={str(ev.blt).lower()}", "eval.plots=false", f"eval.max_images={self.max_images}",
+             f"eval.shortcut_probe={ev.shortcut}"]
         if ev.corruptions and self.c_files:
             s += [f"{self.c_key}={self.c_files}", "eval.corruptions=[]"]
         elif ev.corruptions:
@@ -126,6 +132,42 @@ def _ood_sets(root: Path, names: tuple[str, ...], notes: list) -> tuple[str, ...
     return found
 
 
+def small_setups(data: str = "") -> dict[str, Setup]:
+    """The small scale's setups on the embedded data: the demo recipe on its data and on the harder setting, and the
+    CIFAR ResNet-18 on the demo data (bf16 autocast, as the fidelity experiment's row)."""
+    common = dict(corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True)
+    demo = (f"data.root={SMALL_DATA}", "anchor.mask_level=batch")
+    hard = (f"data.root={HARD_DATA}", "anchor.mask_level=batch", *(f"embedded.{k}={v}" for k, v in HARD_EMBEDDED.items()))
+    per_class = SMALL_TRAIN_IMAGES // 10
+    return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, demo, **common),
+            "hard": Setup("hard", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, per_class * HARD_EMBEDDED["num_classes"],
+                          hard, **common),
+            "demo_resnet18": Setup("demo_resnet18", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES,
+                                   (*demo, "model.name=fastanchor_cifar_resnet18", "train.amp=bf16"), **common)}
+
+
+def folder_setup(root: Path) -> Setup:
+    """`--scale small --data FOLDER`: the demo recipe on an ImageFolder tree with train/ and val/ (ConfigError naming
+    what is missing); its corruptions from val-c/ where there is one, else on the fly."""
+    from fastanchor.errors import ConfigError
+
+    if not root.is_dir():
+        raise ConfigError(f"--data {root}: no such folder (expected an ImageFolder tree with train/ and val/)")
+    missing = [split for split in ("train", "val") if not (root / split).is_dir()]
+    if missing:
+        raise ConfigError(f"--data {root}: no {' or '.join(f'{m}/' for m in missing)} folder (expected an ImageFolder "
+                          f"tree with train/<class>/<image> and val/<class>/<image>)")
+    classes = [p for p in (root / "train").iterdir() if p.is_dir()]
+    if len(classes) < 2:
+        raise ConfigError(f"--data {root}: train/ holds {len(classes)} class folder(s): expected at least 2")
+    images = sum(1 for c in classes for f in c.iterdir() if f.is_file())
+    c_files = str(root / "val-c") if (root / "val-c").is_dir() else ""
+    notes = () if c_files else (("c", f"{root / 'val-c'} not found: CIFAR-10-C-strength corruptions on the fly"),)
+    train = (f"data.root={root}", "data.dataset=folder", "data.ood_split=", "data.far_ood_split=", "anchor.mask_level=batch")
+    return Setup("folder", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, images, train, corruptions=SMALL_CORRUPTIONS,
+                 c_files=c_files, c_key="eval.c_root", max_images=500, small_epochs=True, notes=notes)
+
+
 def setups(scale: str, data: str) -> dict[str, Setup]:
     """Every setup of a scale, by name; `data` is --data (the dataset root; '' for the default)."""
     if scale == "tiny":
@@ -137,9 +179,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
         return {"tiny": Setup("tiny", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, whole, train, ood_split=True,
                               max_images=16, few=True)}
     if scale == "small":
-        train = (f"data.root={data or SMALL_DATA}", "anchor.mask_level=batch")
-        return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, train,
-                              corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True)}
+        return {**small_setups(data)} if not data else {"folder": folder_setup(Path(data))}
     root = Path(data)
     found: dict[str, Setup] = {}
     if scale == "cifar":

@@ -96,7 +96,8 @@ def run_reproduce(options: ReproduceOptions, command: str) -> int:
     load_config(None, options.overrides)  # an unknown option or a bad value of --set: one line, before any plan
     experiment = EXPERIMENTS[options.experiment]
     scale = options.effective_scale
-    runs, notes = plan(experiment, scale, options.data, options.out, options.seeds, options.device, options.progress)
+    runs, notes = plan(experiment, scale, options.data, options.out, options.seeds, options.device, options.progress,
+                       options.setup_names, options.value_names)
     runs = [run.with_overrides(tuple(options.overrides)) for run in runs]  # --set: every run takes them
     for note in notes:
         print(f"note: {note}")

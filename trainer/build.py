@@ -114,6 +114,7 @@ def ensure_dataset(config: Config, progress: bool = True) -> Path:
         spec = EmbeddedSpec(
             seed=e.seed, image_size=e.image_size, num_classes=e.num_classes, train_per_class=e.train_per_class,
             val_per_class=e.val_per_class, ood_per_class=e.ood_per_class, jpeg_quality=e.jpeg_quality,
+            hardness=e.hardness,
         )
         try:
             spec.validate()
@@ -484,7 +485,9 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
     if t.freeze_backbone:
         freeze_backbone(model)
     optimizer = make_optimizer(model, config, processes.world_size)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step / steps_per_epoch, t.epochs, o))
+    stretch = t.epochs / config.epochs_to_train  # equal labelled steps: the schedule runs in labelled epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step / steps_per_epoch * stretch,
+                                                                                    t.epochs, o))
     stage = make_stage(config, loader, device, fixed_references=fixed_train_refs, rank=processes.rank)
     step = make_step(config, model, optimizer, device, processes=processes)
     return Training(train_index.classes, loader, val_loader, steps_per_epoch, FixedReferenceSet(inference.images.to(device)),

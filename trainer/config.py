@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ class EmbeddedConfig:
     val_per_class: int = option(50, "validation images per class")
     ood_per_class: int = option(50, "images per unseen (OOD) class")
     jpeg_quality: int = option(90, "JPEG quality of the generated files")
+    hardness: int = option(0, "0: the original shapes; 1: the harder setting (smaller, stretched shapes, less contrast, clutter)")
 
 
 @dataclass
@@ -133,6 +135,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     epochs: int = option(10, "training epochs")
+    equal_labelled_steps: bool = option(False, "masking runs train epochs / (1 - anchor.alpha) epochs, the schedule stretched: as many labelled steps as an unmasked run")
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     amp: str = option("auto", "mixed precision: auto (bf16 on CUDA where supported, else fp16; off on CPU), bf16, fp16, off", choices=("auto", "bf16", "fp16", "off"))
     channels_last: bool = option(True, "channels-last memory layout for the model and its input")
@@ -166,6 +169,7 @@ class EvalConfig:
     num_references: int = option(10, "K references per test sample for the mean prediction and the std score (anchored models)")
     ood_references: int = option(1, "references per sample behind the anomaly scores: 1 (the paper) or K > 1 (mean logits)")
     seed: int = option(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
+    shortcut_probe: str = option("id", "anchored models: top-1 on [r, x-r], [r', x-r] and [0, x-r] on the validation split (id), on it and every shift set (all), or off", choices=("off", "id", "all"))
     recalibrate_bn: int = option(0, "re-estimate BatchNorm stats on this many unmasked training batches before evaluating (0: as saved)")
     blt: bool = option(True, "also evaluate bilinear transduction (anchored models), on the sets eval.blt_sets names")
     blt_sets: str = option("all", "sets BLT runs on: the validation split only (id) or it and every shift set (all)", choices=("id", "all"))
@@ -214,6 +218,19 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def labelled_fraction(self) -> float:
+        """The share of training samples that carry their label: 1 - alpha when masked samples get the uniform target."""
+        a = self.anchor
+        return 1.0 - a.alpha if a.enabled and a.masked_target == "uniform" else 1.0
+
+    @property
+    def epochs_to_train(self) -> int:
+        """The epochs the run trains: train.epochs, or with train.equal_labelled_steps the epochs a masking run needs
+        to take train.epochs epochs of labelled steps (rounded up); the schedule spans them (trainer/schedule.py)."""
+        t = self.train
+        return math.ceil(t.epochs / self.labelled_fraction - 1e-9) if t.equal_labelled_steps else t.epochs
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -432,6 +449,7 @@ def _embedded_checks(emb: EmbeddedConfig):
     yield "val_per_class", emb.val_per_class >= 1, ">= 1 image"
     yield "ood_per_class", emb.ood_per_class >= 0, ">= 0 images"
     yield "jpeg_quality", 1 <= emb.jpeg_quality <= 100, "1 to 100"
+    yield "hardness", emb.hardness in (0, 1), "0 (the original shapes) or 1 (the harder setting)"
 
 
 def _model_checks(m: ModelConfig):
@@ -454,6 +472,9 @@ def _named(section: str, values) -> typing.Callable[[str], str]:
 def _agreement_checks(config: Config):
     """Options that must agree with each other, as (ok, the whole line) rules."""
     d, a, m = config.data, config.anchor, config.model
+    yield (not (config.train.equal_labelled_steps and config.labelled_fraction == 0.0),
+           f"train.equal_labelled_steps = true with anchor.alpha = {a.alpha} and anchor.masked_target = 'uniform': every sample "
+           f"is masked, no step carries a label; expected anchor.alpha < 1 or anchor.masked_target=label")
     yield (not (a.first_layer == "fresh" and m.pretrained),
            "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
     yield (not (m.init_checkpoint and m.pretrained),

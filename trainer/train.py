@@ -89,6 +89,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     """The whole run, top to bottom: where it starts, what it trains with, then per epoch `train_one_epoch`,
     `validate`, one metrics record and a checkpoint."""
     t = config.train
+    epochs = config.epochs_to_train  # train.epochs, stretched for equal labelled steps
     if t.threads:
         torch.set_num_threads(t.threads)
     if t.deterministic:
@@ -100,7 +101,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     point = find_resume_point(config, resume)
     if point is not None:
         check_same_processes(point, processes.world_size)
-        if point.finished(t.epochs):
+        if point.finished(epochs):
             if processes.main:
                 RunFolder(point.run_dir).link_final(point.path)
                 print(f"nothing left to train: checkpoint '{point.path}' ends the run's last epoch", flush=True)
@@ -125,10 +126,10 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
 
     shown_loss = float("nan")
     try:
-        for epoch in range(at.epoch, t.epochs):
+        for epoch in range(at.epoch, epochs):
             at.epoch = epoch
             trained = train_one_epoch(run, state, at, log, resolution=training_resolution(config.data, epoch),
-                                      epochs=t.epochs, log_interval=t.log_interval, max_steps=t.max_steps,
+                                      epochs=epochs, log_interval=t.log_interval, max_steps=t.max_steps,
                                       checkpoint_interval=t.checkpoint_interval, processes=processes, show=show,
                                       shown_loss=shown_loss)
             if trained.stopped:  # train.max_steps: a smoke test of the recipe, no validation, no checkpoint
@@ -154,7 +155,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     finally:
         log.close()
     if processes.main:
-        folder.link_final(folder.checkpoints / checkpoint_name(t.epochs, at.step, True))
+        folder.link_final(folder.checkpoints / checkpoint_name(epochs, at.step, True))
     return folder.root
 
 

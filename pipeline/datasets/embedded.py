@@ -75,6 +75,17 @@ EXTENT_FRACTION = (0.34, 0.47)  # radius of the disc holding the shape / image s
 MARGIN_FRACTION = 0.03  # the shape stays this far (fraction of the side) from the border
 MIN_LUMINANCE_GAP = 0.25  # foreground vs both gradient end colours, luminance in [0, 1]
 NOISE_STD = (1.0, 4.0)  # per-image Gaussian noise std, in 0-255 units
+# hardness 1, the harder setting (docs/embedded.md): more intra-class variation (smaller shapes, stretched to other
+# aspect ratios, less contrast, more noise) and clutter (thin strokes of other colours across the image, and a disc
+# that may hide part of the shape). Hardness 0 draws none of these: its bytes are those of the original generator.
+HARD_EXTENT_FRACTION = (0.22, 0.47)
+HARD_STRETCH = (0.6, 1.0)  # one axis of the shape scaled by this before the rotation
+HARD_LUMINANCE_GAP = 0.10
+HARD_NOISE_STD = (2.0, 10.0)
+HARD_STROKES = (2, 4)  # distractor strokes per image (inclusive)
+HARD_STROKE_WIDTH = (0.03, 0.08)  # of the image side
+HARD_OCCLUDER = (0.10, 0.16)  # radius of the occluding disc, of the image side
+HARD_OCCLUDER_PROBABILITY = 0.5
 
 _SPLIT_CODES = {"train": 0, "val": 1, "ood": 2, TEXTURE_SPLIT: 3}
 _CIRCLE_POINTS = 96
@@ -89,6 +100,7 @@ class EmbeddedSpec:
     val_per_class: int = 50
     ood_per_class: int = 50
     jpeg_quality: int = 90
+    hardness: int = 0  # 0: the original shapes; 1: the harder setting (HARD_* above)
 
     def validate(self) -> "EmbeddedSpec":
         """Raise ValueError naming the first bad field; return self when all are good."""
@@ -105,6 +117,7 @@ class EmbeddedSpec:
             ("val_per_class", self.val_per_class >= 1, "at least 1 image per class"),
             ("ood_per_class", self.ood_per_class >= 1, "at least 1 image per class"),
             ("jpeg_quality", 1 <= self.jpeg_quality <= 100, "an integer from 1 to 100"),
+            ("hardness", self.hardness in (0, 1), "0 (the original shapes) or 1 (the harder setting)"),
         )
         check_all(checks, lambda name: f"EmbeddedSpec.{name} = {getattr(self, name)!r}", ValueError, end=".")
         return self
@@ -293,13 +306,13 @@ def _luminance(rgb: np.ndarray) -> np.ndarray:
     return (0.299 * rgb[..., 0] + 0.587 * rgb[..., 1] + 0.114 * rgb[..., 2]) / 255.0
 
 
-def _sample_colours(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sample_colours(rng: np.random.Generator, gap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Foreground and two background colours, uniform in RGB, rejected until the foreground's
-    luminance is above both background colours' or below both by MIN_LUMINANCE_GAP."""
+    luminance is above both background colours' or below both by `gap`."""
     while True:
         c = rng.uniform(0.0, 255.0, size=(3, 3))
         lf, l0, l1 = _luminance(c)
-        if lf >= max(l0, l1) + MIN_LUMINANCE_GAP or lf <= min(l0, l1) - MIN_LUMINANCE_GAP:
+        if lf >= max(l0, l1) + gap or lf <= min(l0, l1) - gap:
             return c[0], c[1], c[2]
 
 
@@ -374,38 +387,64 @@ def render_image(spec: EmbeddedSpec, split: str, class_index: int, index: int) -
     rng = _image_rng(spec.seed, split, class_index, index)
     n = spec.image_size
 
-    fg, bg0, bg1 = _sample_colours(rng)
+    hard = spec.hardness > 0
+    fg, bg0, bg1 = _sample_colours(rng, HARD_LUMINANCE_GAP if hard else MIN_LUMINANCE_GAP)
     if split == TEXTURE_SPLIT:
         mask = _texture_mask(classes[class_index], n, rng)
     else:
-        mask = _shape_mask(classes[class_index], n, rng)
-    return _compose(mask, fg, bg0, bg1, n, rng)
+        mask = _shape_mask(classes[class_index], n, rng, hard)
+    return _compose(mask, fg, bg0, bg1, n, rng, hard)
 
 
-def _shape_mask(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    """The shape's antialiased mask [n, n, 1] in [0, 1], at a random size, rotation and position."""
+def _draw_mask(n: int, polys: list[np.ndarray], holes: list[np.ndarray] = ()) -> np.ndarray:
+    """Polygons (pixel coordinates) filled, holes cut out, drawn at SUPERSAMPLE x: an antialiased mask [n, n, 1] in [0, 1]."""
+    big = Image.new("L", (n * SUPERSAMPLE, n * SUPERSAMPLE), 0)
+    draw = ImageDraw.Draw(big)
+    for fill, group in ((255, polys), (0, holes)):
+        for p in group:
+            draw.polygon([tuple(v) for v in (p * SUPERSAMPLE).tolist()], fill=fill)
+    mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float32)[..., None]
+    mask *= np.float32(1 / 255)
+    return mask
+
+
+def _shape_mask(name: str, n: int, rng: np.random.Generator, hard: bool = False) -> np.ndarray:
+    """The shape's antialiased mask [n, n, 1] in [0, 1], at a random size, rotation and position (hard: also
+    stretched along one axis, and over a wider range of sizes)."""
     polys, holes = _unit_shape(name, rng)
     margin = MARGIN_FRACTION * n
-    scale = n * rng.uniform(*EXTENT_FRACTION)  # radius of the shape's disc, in pixels
+    scale = n * rng.uniform(*(HARD_EXTENT_FRACTION if hard else EXTENT_FRACTION))  # radius of the shape's disc, in pixels
+    if hard:
+        stretch = np.array([rng.uniform(*HARD_STRETCH), 1.0])
+        polys, holes = [p * stretch for p in polys], [h * stretch for h in holes]
     angle = rng.uniform(0.0, 2 * math.pi)
     polys = [_rotate(p, angle) * scale for p in polys]
     holes = [_rotate(h, angle) * scale for h in holes]
     filled = np.concatenate(polys)
     lo, hi = filled.min(axis=0), filled.max(axis=0)
     offset = rng.uniform(margin - lo, np.maximum(n - margin - hi, margin - lo))
-
-    big = Image.new("L", (n * SUPERSAMPLE, n * SUPERSAMPLE), 0)
-    draw = ImageDraw.Draw(big)
-    for fill, group in ((255, polys), (0, holes)):
-        for p in group:
-            draw.polygon([tuple(v) for v in ((p + offset) * SUPERSAMPLE).tolist()], fill=fill)
-    mask = np.asarray(big.resize((n, n), Image.Resampling.LANCZOS), dtype=np.float32)[..., None]
-    mask *= np.float32(1 / 255)
-    return mask
+    return _draw_mask(n, [p + offset for p in polys], [h + offset for h in holes])
 
 
-def _compose(mask: np.ndarray, fg, bg0, bg1, n: int, rng: np.random.Generator) -> np.ndarray:
-    """The foreground colour where `mask` is 1 over the two-colour background gradient, plus mild noise."""
+def _clutter(n: int, rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The harder setting's distractors, as (mask, colour): thin strokes across the image, then (half the time) a disc
+    of another colour that may cover part of the shape."""
+    layers = []
+    for _ in range(int(rng.integers(HARD_STROKES[0], HARD_STROKES[1] + 1))):
+        ends = rng.uniform(0.0, n, size=(2, 2))
+        line = ends[0] + np.linspace(0.0, 1.0, 16)[:, None] * (ends[1] - ends[0])
+        width = n * rng.uniform(*HARD_STROKE_WIDTH)
+        layers.append((_draw_mask(n, [_band(line, width)]) if np.ptp(line, axis=0).max() > 0 else None,
+                       rng.uniform(0.0, 255.0, size=3)))
+    if rng.uniform() < HARD_OCCLUDER_PROBABILITY:
+        centre, radius = rng.uniform(0.0, n, size=2), n * rng.uniform(*HARD_OCCLUDER)
+        layers.append((_draw_mask(n, [_ngon(_CIRCLE_POINTS, radius, center=centre)]), rng.uniform(0.0, 255.0, size=3)))
+    return [(mask, colour) for mask, colour in layers if mask is not None]
+
+
+def _compose(mask: np.ndarray, fg, bg0, bg1, n: int, rng: np.random.Generator, hard: bool = False) -> np.ndarray:
+    """The foreground colour where `mask` is 1 over the two-colour background gradient (hard: under the clutter),
+    plus noise."""
     # Background: linear gradient from bg0 to bg1 along a random direction, across the image.
     theta = rng.uniform(0.0, 2 * math.pi)
     c, s = math.cos(theta), math.sin(theta)
@@ -415,7 +454,9 @@ def _compose(mask: np.ndarray, fg, bg0, bg1, n: int, rng: np.random.Generator) -
     t = (t - np.float32(lo_t)) * np.float32(1 / (hi_t - lo_t))
     image = bg0.astype(np.float32) + (bg1 - bg0).astype(np.float32) * t[..., None]
     image += (fg.astype(np.float32) - image) * mask
-    noise_std = rng.uniform(*NOISE_STD)
+    for layer, colour in _clutter(n, rng) if hard else ():
+        image += (colour.astype(np.float32) - image) * layer
+    noise_std = rng.uniform(*(HARD_NOISE_STD if hard else NOISE_STD))
     image += rng.standard_normal(size=image.shape, dtype=np.float32) * np.float32(noise_std)
     np.clip(image, 0, 255, out=image)
     return np.rint(image, out=image).astype(np.uint8)
@@ -456,7 +497,9 @@ def dataset_sha256(root: str | Path) -> str:
 
 
 def _spec_dict(spec: EmbeddedSpec) -> dict[str, int]:
-    return {k: int(v) for k, v in asdict(spec).items()}
+    """The spec as the manifest records it; hardness only where it is not 0, so a dataset written before the harder
+    setting existed is the same dataset."""
+    return {k: int(v) for k, v in asdict(spec).items() if not (k == "hardness" and v == 0)}
 
 
 def _wanted(spec: EmbeddedSpec) -> dict:

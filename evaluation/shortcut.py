@@ -1,0 +1,52 @@
+"""The shortcut probe (issue 36; paper 000, section 3): does an anchored model use its reference, or predict from the
+residual alone? With a large reference set the model "may overlook the reference and make predictions based solely on
+the residuals"; reference masking is the paper's answer to that.
+
+For each image x with its random reference r (from the checkpoint's inference reference set) and another reference r'
+(the next image's reference in the batch: another training image), the model runs on three inputs:
+
+  anchored  [r, x - r]    the paper's input
+  swapped   [r', x - r]   the reference half replaced, the residual kept: the pair no longer describes x
+  masked    [0, x - r]    the reference half zeroed, the residual kept (the masked training input)
+
+and the probe reports each input's top-1 and the share of predictions the swap leaves unchanged. A model that predicts
+as well on the swapped pair as on the true one (unchanged near 1) has learnt to ignore the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor
+from fastanchor.pipeline.references import FixedReferenceSet
+
+
+@torch.no_grad()
+def shortcut_probe(model: torch.nn.Module, loader, references: FixedReferenceSet, *, seed: int,
+                   dtype: torch.dtype = torch.float32, class_subset: tuple[int, ...] | None = None) -> dict:
+    """{'top1_anchored', 'top1_swapped', 'top1_masked', 'unchanged_by_swap', 'images'} (percentages) over one pass of
+    `loader` (uint8 images, labels); `class_subset`: logits restricted to those classes (ImageNet-R's 200)."""
+    generator = torch.Generator().manual_seed(seed)
+    hits = {"anchored": 0, "swapped": 0, "masked": 0}
+    unchanged = seen = 0
+    for images, labels in loader:
+        refs = references.references_for(images, generator)
+        others = refs.roll(1, dims=0)
+        labels = labels.to(images.device)
+        keep = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)
+        true_pair = anchor(images, refs, keep, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype)
+        masked = anchor(images, refs, ~keep, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype)
+        swapped = torch.cat([anchor(images, others, keep, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype)[:, :3],
+                             true_pair[:, 3:]], dim=1)
+        predicted = {}
+        for name, inputs in (("anchored", true_pair), ("swapped", swapped), ("masked", masked)):
+            logits = model(inputs).float()
+            if class_subset is not None:
+                logits = logits[:, list(class_subset)]
+            predicted[name] = logits.argmax(-1)
+            hits[name] += int((predicted[name] == labels).sum())
+        unchanged += int((predicted["swapped"] == predicted["anchored"]).sum())
+        seen += labels.numel()
+    scale = 100.0 / max(seen, 1)
+    return {**{f"top1_{name}": count * scale for name, count in hits.items()},
+            "unchanged_by_swap": unchanged * scale, "images": seen}
