@@ -58,7 +58,7 @@ def delivery_order(batches: int, workers: int) -> list[int]:
     worker: the first batch of each run in turn, then the second, ..."""
     if workers <= 1:
         return list(range(batches))
-    bounds = [batches * w // workers for w in range(workers + 1)]
+    bounds = [-(-batches * w // workers) for w in range(workers + 1)]  # the longer runs first: each stays one worker's
     runs = [range(bounds[w], bounds[w + 1]) for w in range(workers)]
     return [run[i] for i in range(max(len(r) for r in runs)) for run in runs if i < len(run)]
 
