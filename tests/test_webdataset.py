@@ -161,7 +161,6 @@ def test_trains_from_local_shards_and_evaluation_asks_for_the_tree(prepared, tmp
     assert refused.returncode == 2 and "evaluation reads ImageFolder trees; add --set data.loader=torchvision" in refused.stderr
 
 
-@pytest.mark.slow
 def test_a_run_over_http_killed_mid_epoch_resumes_to_the_uninterrupted_runs_weights(served, tmp_path):
     """Trained from the loopback server, whole and killed after a mid-epoch checkpoint then resumed: bitwise equal."""
     from test_resume import RESUMABLE
@@ -191,6 +190,9 @@ def test_bad_roots_are_one_line(prepared, served, tmp_path):
                                                                    f"written by `fastanchor prepare --format wds`"
     result = run_main("train", *tiny_overrides(served, tmp_path, **{"data.loader": "torchvision"}))
     assert result.returncode == 2 and "holds WebDataset shards, which data.loader = 'torchvision' cannot read" in result.stderr
+    result = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **{"data.loader": "webdataset",
+                                                                            "data.label_noise": 0.2}))
+    assert result.returncode == 2 and "data.label_noise = 0.2 records the flipped files of an ImageFolder tree" in result.stderr
     result = run_main("prepare", "--format", "wds", "--shard-size", 0)
     assert result.returncode == 2 and "--shard-size = 0: expected a positive integer" in result.stderr
     with pytest.raises(ConfigError, match="has 5 shard\\(s\\) for 8 training processes"):
