@@ -26,6 +26,7 @@ import copy
 
 import numpy as np
 import torch
+import webdataset  # noqa: F401 - shards.py reads and writes tars with it: missing (the wds extra), the loader is not made
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fastanchor.errors import ConfigError
