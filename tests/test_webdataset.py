@@ -9,6 +9,7 @@ import json
 import shutil
 import tarfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,7 +190,11 @@ def test_bad_roots_are_one_line(prepared, served, tmp_path):
         assert result.returncode == 2 and result.stderr.strip() == f"fastanchor: error: {expected}: expected a folder " \
                                                                    f"written by `fastanchor prepare --format wds`"
     result = run_main("train", *tiny_overrides(served, tmp_path, **{"data.loader": "torchvision"}))
-    assert result.returncode == 2 and "holds WebDataset shards, which data.loader = 'torchvision' cannot read" in result.stderr
+    assert result.returncode == 2 and f"data.root = '{served}' is a URL, which data.loader = 'torchvision' cannot" in \
+        result.stderr and not (Path.cwd() / "http:").exists()  # nothing generated at a local path named like it
+    result = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **{"data.loader": "dali", "data.dataset": "folder"}))
+    assert result.returncode == 2 and "holds WebDataset shards, which data.loader = 'dali' cannot read: set " \
+                                      "data.loader=webdataset (DALI's readers.webdataset is not wired in" in result.stderr
     result = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **{"data.loader": "webdataset",
                                                                             "data.label_noise": 0.2}))
     assert result.returncode == 2 and "data.label_noise = 0.2 records the flipped files of an ImageFolder tree" in result.stderr
@@ -201,3 +206,16 @@ def test_bad_roots_are_one_line(prepared, served, tmp_path):
         (tmp_path / "torn").mkdir()
         (tmp_path / "torn" / MANIFEST).write_text('{"format": "fastanchor-wds-manifest", "version": 1')
         read_shard_set(tmp_path / "torn")
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_each_read_their_shards(prepared, tmp_path):
+    """2 training processes (gloo): each reads its own shards, ceil(48 / 2) = 24 samples an epoch, 3 steps of 8."""
+    from test_distributed import torchrun
+    from fastanchor.trainer.checkpoint.file import load_checkpoint
+
+    torchrun(2, "train", *tiny_overrides(prepared / "wds", tmp_path, **{
+        "data.loader": "webdataset", "data.batch_size": 8, "data.workers": 1, "train.epochs": 2, "train.threads": 1,
+        "train.run_name": "two"}))
+    final = load_checkpoint(tmp_path / "two" / "final.pt")
+    assert (final["world_size"], final["steps_per_epoch"], final["step"]) == (2, 3, 6)

@@ -111,9 +111,12 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
 def ensure_dataset(config: Config, progress: bool = True) -> Path:
     """Generate the embedded dataset, or decode the CIFAR pickles, into data.root when the config
     asks for it (not with data.loader = webdataset: its shards are the dataset); return the root."""
-    root = Path(config.data.root)
     if config.data.loader == "webdataset":
-        return root
+        return Path(config.data.root)
+    if is_url(config.data.root):
+        raise ConfigError(f"data.root = '{config.data.root}' is a URL, which data.loader = {config.data.loader!r} cannot "
+                          f"read (it reads a local ImageFolder tree): WebDataset shards are read by data.loader=webdataset")
+    root = Path(config.data.root)
     if config.data.dataset == "cifar":
         d = config.data
         ensure_cifar_tree(d.cifar_dir, root, (d.train_split, d.val_split), progress=progress)
@@ -141,7 +144,7 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
             raise DataError(f"shard folder '{shards.root}' has other classes than the training split's "
                             f"({len(shards.classes)} against {len(classes)}): write both from one tree")
         return shards
-    if is_url(data.root) or (Path(data.root) / split / MANIFEST).is_file():
+    if (Path(data.root) / split / MANIFEST).is_file():
         raise ConfigError(f"data.root = '{data.root}' holds WebDataset shards, which data.loader = {data.loader!r} cannot "
                           f"read: set data.loader=webdataset (DALI's readers.webdataset is not wired in: docs/loaders.md)")
     root = Path(data.root) / split
