@@ -242,7 +242,8 @@ def make_request(options: ImageDataOptions, device: torch.device, *, batch_size:
         return written[0]
 
     def shards():
-        return bench_shards(index, index.root.parent / "wds", shard_size=options.shard_size, progress=options.progress)
+        cache = Path(options.shards_cache) if options.shards_cache else index.root.parent / "wds"
+        return bench_shards(index, cache, shard_size=options.shard_size, progress=options.progress)
 
     return LoaderRequest(index, batch_size, image_size, recipe.data.min_scale, workers, device, options.seed, beton, recipe,
                          shards)

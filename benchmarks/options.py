@@ -157,7 +157,8 @@ data.ffcv_jpeg_quality and data.ffcv_max_resolution)."""
     workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
     warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
     ffcv_cache: str = option("", "directory of the .beton written from the images ('': <data>/../ffcv)")
-    shard_size: int = option(1000, "samples per tar shard the webdataset loader reads (written to <data>/../wds)")
+    shard_size: int = option(1000, "samples per tar shard the webdataset loader reads")
+    shards_cache: str = option("", "directory of the tar shards written from the images ('': <data>/../wds)")
 
     def checks(self):
         return super().checks() + [
