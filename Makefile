@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	@# setuptools says, for every editable install of a package whose root is the repository (it needs a meta
 	@# path finder), "Editable installation ... may take precedence": informational only; that one notice is filtered.
-	PYTHONWARNINGS="ignore:Editable installation" $(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,dali,test]"
+	PYTHONWARNINGS="ignore:Editable installation" $(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[eval,ffcv,dali,wds,test]"
 	@touch $(STAMP)
 
 clean:

@@ -62,6 +62,7 @@ class LoaderRequest:
     seed: int
     beton: Callable[[], Path]  # the .beton of `index`, written on first call
     recipe: Config | None = None  # whose data.* (crop, flip, policy, FFCV order) and augment.* the loaders take
+    shards: Callable[[], object] | None = None  # the ShardSet of `index`'s tar shards, written on first call
 
 
 def request_data(request: LoaderRequest) -> DataConfig:
@@ -108,6 +109,18 @@ def bench_beton(index: ImageFolderIndex, cache: Path, *, quality: int, max_resol
     write_beton(index, path, max_resolution=max_resolution or None, jpeg_quality=quality, workers=max(1, workers),
                 progress=progress)
     return path
+
+
+def bench_shards(index: ImageFolderIndex, cache: Path, *, shard_size: int, progress: bool):
+    """The ShardSet of exactly these samples (WebDataset tar shards, in a folder named by them), written when that
+    folder does not hold them."""
+    from fastanchor.pipeline.datasets.shards import read_shard_set, shards_current, write_shards
+
+    digest = hashlib.sha256("\n".join(path for path, _ in index.samples).encode()).hexdigest()[:10]
+    folder = cache / f"{index.root.name}-{len(index)}-{digest}-wds{shard_size}"
+    if not shards_current(folder, index, shard_size=shard_size, shuffle_seed=0):
+        write_shards(index, folder, shard_size=shard_size, shuffle_seed=0, progress=progress)
+    return read_shard_set(folder)
 
 
 def file_jpegs(index: ImageFolderIndex) -> list[bytes]:
@@ -228,7 +241,12 @@ def make_request(options: ImageDataOptions, device: torch.device, *, batch_size:
                                        progress=options.progress))
         return written[0]
 
-    return LoaderRequest(index, batch_size, image_size, recipe.data.min_scale, workers, device, options.seed, beton, recipe)
+    def shards():
+        cache = Path(options.shards_cache) if options.shards_cache else index.root.parent / "wds"
+        return bench_shards(index, cache, shard_size=options.shard_size, progress=options.progress)
+
+    return LoaderRequest(index, batch_size, image_size, recipe.data.min_scale, workers, device, options.seed, beton, recipe,
+                         shards)
 
 
 def check_loader_names(names: list[str]) -> None:
@@ -246,7 +264,7 @@ def make_loader(name: str, request: LoaderRequest):
     if entry.cuda_only and request.device.type != "cuda":
         raise LoaderUnavailable(f"{name} decodes on CUDA devices only")
     try:
-        source = request.beton() if entry.reads == "beton" else request.index
+        source = {"beton": request.beton, "wds": request.shards}.get(entry.reads, lambda: request.index)()
         return entry.make(source, loader_spec(request), **build.loader_knobs(request_data(request), name, train=True))
     except ImportError as error:
         raise LoaderUnavailable(f"{entry.library} is not importable ({error})") from None
@@ -279,8 +297,9 @@ def loader_cases(names: list[str], request: LoaderRequest, warmup_batches: int) 
     on_cpu = [e for e, c in zip(entries, cases) if c.run is not None and decodes_on_cpu(e, request.device)]
     workers = request.workers
     limits = {"files": f"decode limit (files, x{workers})", "beton": f"decode limit (.beton, x{workers})"}
+    limits["wds"] = limits["files"]  # the shards hold the files' bytes as they are
     sources = {"files": lambda: file_jpegs(request.index), "beton": lambda: beton_jpegs(request.beton())}
-    needed = [source for source in limits if any(e.reads == source for e in on_cpu)]
+    needed = [source for source in sources if any(limits[e.reads] == limits[source] for e in on_cpu)]
     cases += [decode_limit_case(limits[s], sources[s], image_size=request.image_size, min_scale=request.min_scale,
                                 workers=workers, seed=request.seed) for s in needed]
     derived = [Derived(f"efficiency: {e.name}", e.name, limits[e.reads], meaning=f"{e.name} images/s over its decode limit")

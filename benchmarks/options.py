@@ -157,12 +157,15 @@ data.ffcv_jpeg_quality and data.ffcv_max_resolution)."""
     workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
     warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
     ffcv_cache: str = option("", "directory of the .beton written from the images ('': <data>/../ffcv)")
+    shard_size: int = option(1000, "samples per tar shard the webdataset loader reads")
+    shards_cache: str = option("", "directory of the tar shards written from the images ('': <data>/../wds)")
 
     def checks(self):
         return super().checks() + [
             ("images", self.images >= 0, "0 (all) or a positive count"),
             ("workers", self.workers >= 0, "0 (one per usable CPU) or a positive count"),
             ("warmup_batches", self.warmup_batches >= 0, "0 or more"),
+            ("shard_size", self.shard_size >= 1, "a positive count"),
         ]
 
 
@@ -172,7 +175,7 @@ class LoaderOptions(ImageDataOptions, RunConfig):
 data.image_size (the first-epoch resolution), data.min_scale, crop, flip, policy and FFCV order. Without --config:
 the built-in settings at 176 px, batch 64 on CPU, 256 on CUDA. --workers is the measurement's own (docs/benchmarks.md)."""
 
-    loaders: str = option("ffcv,torchvision,dali", "comma-separated loaders to compare: " + ", ".join(LOADERS))
+    loaders: str = option("ffcv,torchvision,webdataset,dali", "comma-separated loaders to compare: " + ", ".join(LOADERS))
 
     def checks(self):
         return super().checks() + [("loaders", bool(names_list(self.loaders)), "one or more loader names")]

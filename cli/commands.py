@@ -17,27 +17,38 @@ from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 def prepare(options: o.PrepareOptions, command: str) -> None:
     from fastanchor.pipeline.beton.audit import audit_image_folder
-    from fastanchor.trainer.build import beton_path, ensure_beton, ensure_dataset
+    from fastanchor.trainer.build import beton_path, ensure_beton, ensure_dataset, ensure_shards, shards_folder
 
+    if not options.shard_size >= 1:
+        raise ConfigError(f"--shard-size = {options.shard_size}: expected a positive integer (samples per shard)")
     config = options.load()
+    if config.data.loader == "webdataset":
+        raise ConfigError("prepare writes from an ImageFolder tree: data.loader = 'webdataset' reads shards; "
+                          "leave data.loader as it is when preparing")
     root = ensure_dataset(config, progress=config.train.progress)
     print(f"dataset ready in {root}")
-    if options.format != "ffcv":
+    if options.format == "imagefolder":
         return
     d = config.data
     splits = [d.train_split, d.val_split] + ([d.ood_split] if d.ood_split else [])
     if d.dataset == "cifar" and d.ood_split and not (root / d.ood_split).is_dir():
-        print(f"{d.ood_split}: no .beton (CIFAR has no OOD split and '{root / d.ood_split}' does not exist)")
+        print(f"{d.ood_split}: not written (CIFAR has no OOD split and '{root / d.ood_split}' does not exist)")
         splits.remove(d.ood_split)
     classes = None
     for split in splits:
         index, report = audit_image_folder(root / split, None if split == d.ood_split else classes)
         classes = classes or index.classes
-        report_path = beton_path(d, index).with_suffix(".report.json")
+        report_path = (beton_path(d, index).with_suffix(".report.json") if options.format == "ffcv"
+                       else shards_folder(d, split).with_suffix(".report.json"))
         report.write(report_path)
         print(report.summary())
-        print(f"{split}: {ensure_beton(d, index, progress=config.train.progress)} ({len(index)} images; "
-              f"report {report_path})")
+        if options.format == "ffcv":
+            written = ensure_beton(d, index, progress=config.train.progress)
+        else:
+            written = ensure_shards(d, index, split, options.shard_size, progress=config.train.progress)
+        print(f"{split}: {written} ({len(index)} images; report {report_path})")
+    if options.format == "wds":
+        print(f"train from the shards with --set data.loader=webdataset --set data.root={shards_folder(d, '')}")
 
 
 def train(options: o.TrainOptions, command: str) -> None:

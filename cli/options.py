@@ -17,8 +17,9 @@ from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
 @dataclass
 class PrepareOptions(Recipe):
     READS = ("data", "embedded", "train.progress")
-    format: str = option("imagefolder", "imagefolder: the ImageFolder tree only; ffcv: also a .beton per split",
-                         choices=("imagefolder", "ffcv"))
+    format: str = option("imagefolder", "imagefolder: the tree only; ffcv: also a .beton per split; wds: also tar shards "
+                         "per split", choices=("imagefolder", "ffcv", "wds"))
+    shard_size: int = option(1000, "wds: samples per tar shard (written to <data.root>/wds/<split>)")
 
 
 @dataclass

@@ -140,14 +140,15 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--set", "data.batch_size=4",
                    "--set", "data.image_size=32", "--workers", 2, "--warmup-batches", 1,
-                   "--loaders", "ffcv,torchvision,dali,nvjpeg,nvjpeg-pipelined", "--ffcv-cache", tmp_path, "--out", results)
+                   "--loaders", "ffcv,torchvision,webdataset,dali,nvjpeg,nvjpeg-pipelined", "--ffcv-cache", tmp_path,
+                   "--shard-size", 10, "--shards-cache", tmp_path / "wds", "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
     assert "torch" in result["environment"]["libraries"] and result["config"]["dataset"]["images"] == 32
     # the loaders' batch, size and scale are the Config's (--set data.*), recorded with the whole Config
     assert (result["config"]["batch_size"], result["config"]["image_size"], result["config"]["min_scale"]) == (4, 32, 0.35)
     assert result["config"]["trainer_config"]["data"]["batch_size"] == 4
-    for name in ("ffcv", "torchvision", "decode limit (files, x2)", "decode limit (.beton, x2)",
+    for name in ("ffcv", "torchvision", "webdataset", "decode limit (files, x2)", "decode limit (.beton, x2)",
                  "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
     assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
@@ -155,6 +156,9 @@ def test_loader_benchmark(tiny_dataset, results, tmp_path):
     assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
     # every epoch: 8 batches of 4, one untimed -> 28 images per repetition
     assert [r["items"] for r in found["ffcv"]["repetitions"]] == [28, 28]
+    assert [r["items"] for r in found["webdataset"]["repetitions"]] == [28, 28]  # from 4 shards of its 32 images
+    assert len(list((tmp_path / "wds").glob("*/shard-*.tar"))) == 4
+    assert derived(result)["efficiency: webdataset"]["status"] == "ok"  # against the files' decode limit: their bytes
     assert [r["items"] for r in found["decode limit (files, x2)"]["repetitions"]] == [32, 32]
     assert [r["items"] for r in found["decode in parallel (.beton, 2 processes)"]["repetitions"]] == [64, 64]  # 32 each
     efficiency = derived(result)["efficiency: ffcv"]

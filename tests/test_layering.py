@@ -275,7 +275,9 @@ def test_model_rooms_stay_apart():
 
 
 LOADER_FILES = ("fastanchor.pipeline.loaders.torchvision", "fastanchor.pipeline.loaders.ffcv",
-                "fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.nvjpeg")  # one loader each: what they share lives in loaders/spec.py
+                "fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.nvjpeg",
+                "fastanchor.pipeline.loaders.wds")  # one loader each: what they share lives in loaders/spec.py
+# (and what the torch DataLoader loaders share, transforms and per-sample seeding, in loaders/transforms.py)
 
 
 def imports_between_loaders(imports: list[Import]) -> list[str]:
@@ -284,7 +286,7 @@ def imports_between_loaders(imports: list[Import]) -> list[str]:
 
 
 def test_loader_files_import_nothing_from_each_other():
-    """pipeline/loaders/: one file per loader (torchvision, FFCV, DALI, nvJPEG), none importing another; the registry
+    """pipeline/loaders/: one file per loader (torchvision, FFCV, DALI, nvJPEG, WebDataset), none importing another; the registry
     names each by its module (imported when a loader is made)."""
     assert imports_between_loaders([Import("fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.torchvision",
                                            7, False)]) == [

@@ -15,6 +15,7 @@ from fastanchor.benchmarks import loaders as bench_loaders
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.beton.write import write_beton
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.shards import read_shard_set, write_shards
 from fastanchor.pipeline.loaders import registry
 from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
 from fastanchor.pipeline.loaders.support import evaluation_is_sharded, iterate_from
@@ -39,12 +40,12 @@ def test_a_bad_setting_is_one_line_naming_it(bad, named):
     LoaderSpec(**{**GOOD, "rank": 1, "world_size": 2, "crop": "padded", "crop_ratio": 1.0, "min_scale": 1.0})
 
 
-def test_the_registry_names_the_loaders_training_selects_three_of_them_and_others_are_refused(tiny_dataset):
-    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "nvjpeg", "nvjpeg-pipelined"]
-    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali"]  # the nvJPEG loaders: benchmarks only
-    with pytest.raises(ConfigError, match="loader 'webdataset': expected one of torchvision, ffcv, dali, nvjpeg, "):
-        registry.make("webdataset", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
-    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg': expected one of torchvision, ffcv, dali$"):
+def test_the_registry_names_the_loaders_training_selects_four_of_them_and_others_are_refused(tiny_dataset):
+    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "nvjpeg", "nvjpeg-pipelined"]
+    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "webdataset"]  # nvJPEG: benchmarks only
+    with pytest.raises(ConfigError, match="loader 'tfrecord': expected one of torchvision, ffcv, dali, webdataset, nvjpeg, "):
+        registry.make("tfrecord", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
+    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg': expected one of torchvision, ffcv, dali, webdataset$"):
         load_config(None, ["data.loader=nvjpeg"])
     with pytest.raises(ConfigError, match="augment.auto_augment = 'randaugment' is not supported by data.loader = 'ffcv'"):
         registry.check_loader_supports("ffcv", "randaugment")
@@ -127,6 +128,9 @@ def test_every_loader_training_selects_keeps_the_contract(name, tiny_dataset, tm
     if name == "ffcv":
         write_beton(index, tmp_path / "train.beton", workers=1, progress=False)
         source = tmp_path / "train.beton"
+    if name == "webdataset":
+        write_shards(index, tmp_path / "train", shard_size=16, shuffle_seed=0, progress=False)
+        source = read_shard_set(tmp_path / "train")
     spec = LoaderSpec(batch_size=10, train=True, image_size=16, workers=1, device="cpu", drop_last=False, seed=5)
     loader = registry.make(name, source, spec)
     assert isinstance(loader, Loader)

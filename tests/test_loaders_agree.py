@@ -21,9 +21,11 @@ from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, eval_transform
 from fastanchor.trainer.build import train_loader
 from fastanchor.trainer.config import DataConfig
-from fastanchor.pipeline.loaders.registry import TRAINING_LOADERS
+from fastanchor.pipeline.loaders.registry import LOADERS as ENTRIES, TRAINING_LOADERS
 
-LOADERS = tuple(TRAINING_LOADERS)  # every loader training can select
+# every loader training can select that reads an ImageFolder tree or a .beton (the webdataset loader reads
+# shards: tests/test_webdataset.py holds it to the torchvision loader image for image, and refuses label noise)
+LOADERS = tuple(name for name in TRAINING_LOADERS if ENTRIES[name].reads != "wds")
 
 
 @pytest.fixture(scope="module")

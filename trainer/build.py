@@ -37,6 +37,8 @@ from fastanchor.pipeline.beton.manifest import recorded_index
 from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
 from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
+from fastanchor.pipeline.datasets.shards import (
+    MANIFEST, ShardSet, is_url, join, read_shard_set, shard_images, shards_current, write_shards)
 from fastanchor.pipeline.augment.erasing import RandomErasing
 from fastanchor.pipeline.shifts.eval_sets import (
     EvalSet,
@@ -93,6 +95,10 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
     config (with `overrides`, ``section.key=value`` texts, applied and validated), its config, and the checkpoint."""
     state = load_checkpoint(path)
     config = with_overrides(config_from_dict(state["config"]), overrides)
+    if config.data.loader == "webdataset":
+        raise ConfigError(f"checkpoint '{path}' was trained from WebDataset shards (data.loader = 'webdataset'): evaluation "
+                          f"reads ImageFolder trees; add --set data.loader=torchvision --set data.root=<the tree the shards "
+                          f"were written from>")
     model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
     model.load_state_dict(state["model"])
     return model.eval(), config, state
@@ -104,7 +110,12 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
 
 def ensure_dataset(config: Config, progress: bool = True) -> Path:
     """Generate the embedded dataset, or decode the CIFAR pickles, into data.root when the config
-    asks for it; return the root."""
+    asks for it (not with data.loader = webdataset: its shards are the dataset); return the root."""
+    if config.data.loader == "webdataset":
+        return Path(config.data.root)
+    if is_url(config.data.root):
+        raise ConfigError(f"data.root = '{config.data.root}' is a URL, which data.loader = {config.data.loader!r} cannot "
+                          f"read (it reads a local ImageFolder tree): WebDataset shards are read by data.loader=webdataset")
     root = Path(config.data.root)
     if config.data.dataset == "cifar":
         d = config.data
@@ -124,9 +135,19 @@ def ensure_dataset(config: Config, progress: bool = True) -> Path:
     return root
 
 
-def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = None) -> ImageFolderIndex:
+def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = None) -> ImageFolderIndex | ShardSet:
     """The split's index. With the FFCV loader, an existing .beton whose manifest still matches the
-    tree gives it without opening an image file; otherwise the tree is scanned strictly."""
+    tree gives it without opening an image file; with the WebDataset loader, the manifest of the split's
+    shard folder <data.root>/<split> (a path or URL); otherwise the tree is scanned strictly."""
+    if data.loader == "webdataset":
+        shards = read_shard_set(join(data.root, split))
+        if classes is not None and shards.classes != tuple(classes):
+            raise DataError(f"shard folder '{shards.root}' has other classes than the training split's "
+                            f"({len(shards.classes)} against {len(classes)}): write both from one tree")
+        return shards
+    if (Path(data.root) / split / MANIFEST).is_file():
+        raise ConfigError(f"data.root = '{data.root}' holds WebDataset shards, which data.loader = {data.loader!r} cannot "
+                          f"read: set data.loader=webdataset (DALI's readers.webdataset is not wired in: docs/loaders.md)")
     root = Path(data.root) / split
     if data.loader == "ffcv":
         recorded = recorded_index(split_beton_path(data, root), root, classes)
@@ -156,6 +177,21 @@ def ensure_beton(data: DataConfig, index: ImageFolderIndex, progress: bool = Tru
     return cached_beton(index, beton_path(data, index), max_resolution=data.ffcv_max_resolution or None,
                         jpeg_quality=data.ffcv_jpeg_quality, compress_probability=data.ffcv_compress_probability,
                         workers=data.ffcv_write_workers or os.cpu_count() or 1, progress=progress)
+
+
+def shards_folder(data: DataConfig, split: str) -> Path:
+    """<data.root>/wds/<split>: where `prepare --format wds` writes a split's shards and manifest."""
+    return Path(data.root) / "wds" / split
+
+
+def ensure_shards(data: DataConfig, index: ImageFolderIndex, split: str, shard_size: int, progress: bool = True) -> Path:
+    """The split's shard folder, written when it does not hold exactly `index` with these settings or the tree changed
+    since; the training split is written in an order permuted with seed 0 (every shard holds every class)."""
+    folder = shards_folder(data, split)
+    shuffle_seed = 0 if split == data.train_split else None
+    if not shards_current(folder, index, shard_size=shard_size, shuffle_seed=shuffle_seed):
+        write_shards(index, folder, shard_size=shard_size, shuffle_seed=shuffle_seed, progress=progress)
+    return folder
 
 
 def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: int = 0, rank: int = 0,
@@ -210,10 +246,14 @@ def reference_indices(population: int, count: int, seed: int) -> list[int]:
     return torch.randperm(population, generator=generator)[: min(count, population)].tolist()
 
 
-def decode_references(data: DataConfig, index: ImageFolderIndex, positions: list[int]) -> torch.Tensor:
-    """The training images at `positions` of the index, eval-decoded once: uint8 [R, 3, H, W], channels-last."""
+def decode_references(data: DataConfig, index: ImageFolderIndex | ShardSet, positions: list[int]) -> torch.Tensor:
+    """The training images at `positions` of the index (of a shard folder: its keys, each shard read once),
+    eval-decoded once: uint8 [R, 3, H, W], channels-last."""
     transform = eval_transform(data.image_size, data.crop_ratio)
-    images = [transform(load_rgb(index.samples[i][0])) for i in positions]
+    if isinstance(index, ShardSet):
+        images = [transform(image) for image in shard_images(index, positions)]
+    else:
+        images = [transform(load_rgb(index.samples[i][0])) for i in positions]
     return torch.stack(images).contiguous(memory_format=torch.channels_last)
 
 
@@ -410,6 +450,9 @@ def training_label_noise(data: DataConfig, index: ImageFolderIndex, seed: int) -
     """data.label_noise's flips of the training split's labels, seeded by train.seed (None when 0)."""
     if data.label_noise == 0:
         return None
+    if isinstance(index, ShardSet):
+        raise ConfigError(f"data.label_noise = {data.label_noise} records the flipped files of an ImageFolder tree: "
+                          f"data.loader = 'webdataset' reads shards; use data.loader=torchvision")
     if len(index.classes) < 2:
         raise ConfigError(f"data.label_noise = {data.label_noise}: '{index.root}' has {len(index.classes)} class; "
                           f"flipping labels needs at least 2")

@@ -6,7 +6,8 @@ trainer's builder (`make`), the check of per-image policies (`check_loader_suppo
 (`bench loader --loaders`, `bench e2e --loader`). It imports no torch (trainer/config.py reads it for `--help`):
 an entry names its maker as "module:function" and its module is imported when a loader is made.
 
-Every loader is made from a source (an ImageFolder index, or a .beton path for FFCV, which pipeline/beton/ writes)
+Every loader is made from a source (an ImageFolder index, a .beton path for FFCV, which pipeline/beton/ writes, or
+a ShardSet for WebDataset shards, which pipeline/datasets/shards.py writes and reads)
 and a LoaderSpec, plus its own knobs. A loader's module declares `POLICIES`, the augment.auto_augment values it can
 do per image (none but "none" where it declares nothing). Adding a loader is one file in this folder and one entry
 here.
@@ -27,7 +28,7 @@ class LoaderEntry:
     maker: str  # "module:function", the module by its full dotted name: function(source, spec, **knobs)
     description: str  # one line, in the benchmarks' results
     library: str  # what must be importable to make it (named where it is not)
-    reads: str = "files"  # "files": an ImageFolder index; "beton": a .beton written from it
+    reads: str = "files"  # "files": an ImageFolder index; "beton": a .beton written from it; "wds": its tar shards
     decodes: str = "cpu"  # where JPEGs are decoded: "cpu" (worker processes or threads) or "device" (the batches' device)
     trains: bool = True  # data.loader may name it: it keeps the whole Loader protocol (spec.py)
     cuda_only: bool = False  # it runs on CUDA devices only
@@ -53,6 +54,9 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
                 reads="beton", policy_note="FFCV's pipeline only crops and flips; use data.loader=torchvision or dali"),
     LoaderEntry("dali", HERE + "dali:DALILoader", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",
                 "DALI", decodes="device", backend_may_lack_device=True),
+    LoaderEntry("webdataset", HERE + "wds:ShardLoader",
+                "torch DataLoader over WebDataset tar shards (a folder or fsspec URL), PIL decode in worker processes",
+                "webdataset", reads="wds"),
     LoaderEntry("nvjpeg", HERE + "nvjpeg:NvjpegLoader",
                 "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)", "torchvision",
                 decodes="device", trains=False, cuda_only=True),

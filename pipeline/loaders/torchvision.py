@@ -7,7 +7,6 @@ processes, pinned memory on CUDA, persistent workers.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +19,8 @@ from fastanchor.errors import ConfigError
 from fastanchor.pipeline.shifts.corruptions import corrupt_image
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
+from fastanchor.pipeline.loaders.transforms import (  # noqa: F401 - train_transform: imported from here by others
+    POLICIES, epoch_draws, eval_transform, seed_worker, seeded, train_transform, transform_for_size)
 
 
 @dataclass(frozen=True)
@@ -28,43 +29,6 @@ class Corruption:
     severity: int
     seed: int = 0
     parameters: str = "imagenet-c"  # or "cifar-10-c": the same corruption at CIFAR-10-C's strengths; C-bar: its set
-
-
-POLICIES = ("none", "autoaugment", "randaugment", "trivialaugment_wide")
-AUTO_AUGMENT_POLICIES = {
-    "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
-    "randaugment": v2.RandAugment,
-    "trivialaugment_wide": v2.TrivialAugmentWide,
-}
-
-
-def train_transform(image_size: int, min_scale: float, *, crop: str = "random_resized", padding: int = 4,
-                    policy: str = "none", hflip: bool = True) -> v2.Transform:
-    """Crop (random-resized, or CIFAR's padded random crop), horizontal flip, then an optional
-    augmentation policy per image (torchvision's reference order), as a uint8 tensor.
-
-    `hflip=False` never flips: the flip step stays with probability 0, so it still draws its coin
-    and a seeded sample's crop and policy are the ones it gets with `hflip=True`, minus the flip."""
-    if crop == "random_resized":
-        cropping = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
-    elif crop == "padded":
-        cropping = v2.RandomCrop(image_size, padding=padding, fill=0)
-    else:
-        raise ValueError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
-    if not isinstance(hflip, bool):
-        raise ValueError(f"hflip = {hflip!r}: expected True or False")
-    steps = [cropping, v2.RandomHorizontalFlip(p=0.5 if hflip else 0.0)]
-    if policy != "none":
-        steps.append(AUTO_AUGMENT_POLICIES[policy]())
-    return v2.Compose([*steps, v2.PILToTensor()])
-
-
-def eval_transform(image_size: int, crop_ratio: float) -> v2.Transform:
-    return v2.Compose([
-        v2.Resize(round(image_size / crop_ratio), antialias=True),
-        v2.CenterCrop(image_size),
-        v2.PILToTensor(),
-    ])
 
 
 class DecodedImages(Dataset):
@@ -104,9 +68,7 @@ def epoch_shard(num_samples: int, *, seed: int, epoch: int, shuffle: bool, rank:
     """
     if not shuffle:
         return torch.arange(rank, num_samples, world_size), None
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(num_samples, generator=generator)
-    augmentation_seeds = torch.randint(0, 2**62, (num_samples,), generator=generator)
+    order, augmentation_seeds = epoch_draws(num_samples, seed, epoch)
     padded = -(-num_samples // world_size) * world_size
     if padded > num_samples:
         order = torch.cat([order, order[: padded - num_samples]])
@@ -160,13 +122,8 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, item: tuple[int, int]):
         index, seed = item
-        generator = torch.default_generator  # the CPU generator transforms draw from (torch.manual_seed is 50x slower)
-        saved = generator.get_state()
-        generator.manual_seed(seed)
-        try:
+        with seeded(seed):
             return self.dataset[index]
-        finally:
-            generator.set_state(saved)
 
 
 class TorchvisionLoader:
@@ -209,7 +166,7 @@ class TorchvisionLoader:
             pin_memory=self.device.type == "cuda",
             persistent_workers=workers > 0,
             generator=torch.Generator().manual_seed(spec.seed),  # keeps the DataLoader off torch's global generator
-            worker_init_fn=_seed_worker,
+            worker_init_fn=seed_worker,
             prefetch_factor=prefetch_factor if workers > 0 else None,
         )
         self.loader = self._data_loader()
@@ -250,14 +207,6 @@ class TorchvisionLoader:
             yield images, labels.to(self.device, dtype=torch.long, non_blocking=True)
 
 
-def _seed_worker(worker_id: int) -> None:
-    seed = torch.initial_seed() % (2**32)
-    np.random.seed(seed)
-    import random
-
-    random.seed(seed)
-
-
 def from_spec(index: ImageFolderIndex, spec: LoaderSpec, *, corruption: Corruption | None = None,
               prefetch_factor: int = 4) -> TorchvisionLoader:
     """The torchvision loader over `index` with `spec`'s settings: train decodes with `train_transform` (and can
@@ -266,7 +215,6 @@ def from_spec(index: ImageFolderIndex, spec: LoaderSpec, *, corruption: Corrupti
     if not spec.train:
         dataset = DecodedImages(index, eval_transform(spec.image_size, spec.crop_ratio), corruption)
         return TorchvisionLoader(dataset, spec, prefetch_factor=prefetch_factor)
-    transform_for_size = functools.partial(train_transform, min_scale=spec.min_scale, crop=spec.crop,
-                                           padding=spec.padding, policy=spec.policy, hflip=spec.hflip)
-    dataset = DecodedImages(index, transform_for_size(spec.image_size), corruption)
-    return TorchvisionLoader(dataset, spec, transform_for_size=transform_for_size, prefetch_factor=prefetch_factor)
+    for_size = transform_for_size(spec)
+    dataset = DecodedImages(index, for_size(spec.image_size), corruption)
+    return TorchvisionLoader(dataset, spec, transform_for_size=for_size, prefetch_factor=prefetch_factor)
