@@ -94,6 +94,15 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
                 seen.add(key)
                 rows.append({"run": run.name, "setup": run.setup, "arm": arm, "value": value, "seed": run.seed,
                              "metrics": metrics, "training": training_of(run, out)})
+    summary = summarise(rows, paper["entries"], setup_papers, experiment.strict_paper_setup)
+    finished = {"finished": len(runs) - len(missing)} if experiment.rows else {}  # rows are not runs there
+    result = {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
+              "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)", "convergence_rule": PLATEAU.text()}
+    return {**result, "verdicts": verdicts(result, experiment.paper)}
+
+
+def summarise(rows: list[dict], entries: list[dict], setup_papers: dict[str, str], strict: bool) -> list[dict]:
+    """The mean +- std (ddof 1) over seeds of every (setup, arm, value) group of rows, with the paper's numbers."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["setup"], row["arm"], json.dumps(row["value"])), []).append(row)
@@ -106,15 +115,12 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
             values = [r["metrics"][key] for r in members if key in r["metrics"]]
             stats[key] = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
                           "n": len(values)}
-        compared = paper_setup_for(paper["entries"], setup_papers.get(setup, ""), experiment.strict_paper_setup)
-        numbers = {key: paper_number(paper["entries"], compared, arm, value, key) for key in keys}
+        compared = paper_setup_for(entries, setup_papers.get(setup, ""), strict)
+        numbers = {key: paper_number(entries, compared, arm, value, key) for key in keys}
         summary.append({"setup": setup, "arm": arm, "value": value, "seeds": sorted(r["seed"] for r in members),
                         "metrics": stats, "paper_setup": compared,
                         "paper": {k: {"number": e["number"], "source": e["source"]} for k, e in numbers.items() if e}})
-    finished = {"finished": len(runs) - len(missing)} if experiment.rows else {}  # rows are not runs there
-    result = {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
-              "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)", "convergence_rule": PLATEAU.text()}
-    return {**result, "verdicts": verdicts(result, experiment.paper)}
+    return summary
 
 
 def training_of(run: Run, out: Path) -> dict | None:

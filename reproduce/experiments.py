@@ -20,7 +20,7 @@ from pathlib import Path
 from fastanchor.errors import ConfigError
 from fastanchor.reproduce.er import ER_EXPERIMENTS
 from fastanchor.reproduce.fidelity import FIDELITY
-from fastanchor.reproduce.runs import Experiment, Run, View
+from fastanchor.reproduce.runs import PAPER_SCALES, Experiment, Run, View
 from fastanchor.reproduce.scales import Evaluation, Setup, setups
 from fastanchor.reproduce.sft import SFT_CONTROL, SFT_EXPERIMENTS
 from fastanchor.reproduce.sft_demo import SFT_DEMO
@@ -88,6 +88,7 @@ def label_noise(setup: Setup, arm: str, value) -> list[str]:
 # that every arm plateaus (reproduce/convergence.py records whether it did); masking trains 1 / (1 - alpha) as many.
 SMALL_EPOCHS = 30
 SEVERITY_5 = Evaluation(severities=(5,))
+PER_SET_AUROC = r"auroc_(energy|msp|maxlogit|react|anchored_std)_.+"  # never the mean over sets: one may be inverted
 CORRUPTION_C = Evaluation()
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment(
@@ -99,7 +100,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)", log_x=True),
         reference_set, arm_values=lambda arm, values: (None,) if arm == "standard" else values,
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18"), "small": ("demo", "hard", "demo_resnet18")},
-        setup_values={"demo_resnet18": (50, WHOLE)}),
+        setup_values={"demo_resnet18": (50, WHOLE), "gpu": (50, WHOLE)}, scales=(*PAPER_SCALES, "gpu")),
     Experiment(
         "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
         "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
@@ -117,11 +118,12 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         View(("id_top1", r"c_sev\d", r"cbar_sev\d", r"[a-z-]+_top1", "smece_mean"), "severity",
              (r"c_sev\d", r"cbar_sev\d"), "mean corruption top-1 (%)"),
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18", "cifar100_wrn40_2"),
-                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b"), "small": ("demo", "hard", "demo_resnet18")}),
+                "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b"), "small": ("demo", "hard", "demo_resnet18")},
+        scales=(*PAPER_SCALES, "gpu")),
     Experiment(
         "tab3", "anomaly rejection: AUROC of every score per OOD set", "Tables 3 and 7", "", {"default": (None,)},
         ARMS, 3, SMALL_EPOCHS, {"default": Evaluation(corruptions=False, ood=True, references=10)},
-        View(("id_top1", r"auroc_[a-z]+_.+"), "bars_metrics", (r"auroc_energy_.+",), "energy AUROC per OOD set (%)",
+        View(("id_top1", PER_SET_AUROC), "bars_metrics", (r"auroc_energy_.+",), "energy AUROC per OOD set (%)",
              ((("auroc_msp_.+",), "MSP AUROC per OOD set (%)"),)),
         setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b"),
                 "small": ("demo", "hard", "demo_resnet18")},
@@ -225,8 +227,8 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                     run_name = "-".join(parts)
                     trainer = EXPERIMENTS[experiment.trained_by] if experiment.trained_by else experiment
                     train = [*setup.train, *arm_sets, *trainer.overrides(setup, arm, value)]
-                    if setup.small_epochs:
-                        train.append(f"train.epochs={trainer.small_epochs}")
+                    if setup.epochs or setup.small_epochs:
+                        train.append(f"train.epochs={setup.epochs or trainer.small_epochs}")
                     train += [f"train.seed={seed}", f"train.out_dir={Path(out) / trainer.name}",
                               f"train.run_name={run_name}", f"train.device={device}",
                               f"train.progress={str(progress).lower()}"]

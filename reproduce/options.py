@@ -16,7 +16,7 @@ class ReproduceFlags(Overrides, OnDevice):
     SET_SCOPE = ("added last to every run of the sweep, each step taking the ones its command takes: training every "
                  "option, evaluate data.*, eval.* and train.progress")
 
-    scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU)", choices=SCALES)
+    scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU), gpu (fig1 and tab1 in one GPU window)", choices=SCALES)
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")
     out: str = option("runs/reproduce", "where <experiment>/<run>/ and the aggregated result files are written")
     seeds: int = option(0, "seeds per configuration (0: the experiment's default)")
@@ -69,7 +69,7 @@ result.md and result.png beside them."""
             ("scale", self.scale in SCALES, ", ".join(SCALES)),
             ("seeds", self.seeds >= 0, "0 (the experiment's default) or a positive count"),
             ("max_runs", self.max_runs >= 0, "0 (all) or a positive count"),
-            ("data", bool(self.data) or self.effective_scale in ("tiny", "small"),
+            ("data", bool(self.data) or self.effective_scale in ("tiny", "small", "gpu"),
              f"the data root (--data ROOT) at scale {self.effective_scale}: docs/reproduce.md lists what it holds"),
             ("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"), "auto, cpu, cuda or cuda:N"),
         ]

@@ -46,14 +46,6 @@ def readme(result: dict) -> str:
     return "\n".join(table[:2] + [text for text in made if text] + verdict_lines + table[2:])
 
 
-def rewrite_readmes(records: Path) -> None:
-    """Every record's README.md under `records` regenerated from its result.json (the verdicts follow the rules)."""
-    for path in sorted(Path(records).glob("*/result.json")):
-        text = readme(read_json(path, "reproduction record"))
-        if not (path.parent / "README.md").is_file() or (path.parent / "README.md").read_text() != text:
-            atomic_write_bytes(path.parent / "README.md", lambda h, text=text: h.write(text.encode()))
-
-
 def write_record(result: dict, figure: Path | None, folder: Path) -> Path:
     """result.json, the figure (None: the experiment has none) as result.png and the generated README.md, written as
     one (files.replace_folder): a crash leaves the previous record whole, never a new result.json beside an old
@@ -68,6 +60,12 @@ def write_record(result: dict, figure: Path | None, folder: Path) -> Path:
 
     replace_folder(folder, write)
     return folder / "README.md"
+
+
+def rewrite_readmes(records: Path) -> None:
+    """Every record's README.md under `records` regenerated from its result.json (its verdicts follow the rules)."""
+    for path in sorted(Path(records).glob("*/result.json")):
+        regenerate(path.parent)
 
 
 def regenerate(folder: Path) -> Path:

@@ -20,7 +20,8 @@ from typing import Callable
 from fastanchor.reproduce.steps import Evaluate, Step, Train
 from fastanchor.trainer.config import settable
 
-SCALES = ("tiny", "small", "cifar", "imagenet")
+PAPER_SCALES = ("tiny", "small", "cifar", "imagenet")
+SCALES = (*PAPER_SCALES, "gpu")  # gpu: fig1 and tab1 at CIFAR size in one GPU window (reproduce/gpu_plan.py)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Experiment:
     arm_values: Callable[[str, tuple], tuple] = lambda arm, values: values  # the values an arm runs at
     setups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per scale; default: the first setup
     paper: str = "000"         # the paper (papers/<paper>_*.txt) and its numbers file paper_numbers/<paper>.yaml
-    scales: tuple[str, ...] = SCALES  # the scales it runs at
+    scales: tuple[str, ...] = PAPER_SCALES  # the scales it runs at
     # planner(experiment, scale, data, out, seeds, device, progress) -> (runs, notes); None: experiments.plan's
     planner: Callable | None = None
     # rows(run, result JSON) -> [(arm, value, metrics)]: the table rows one run gives; None: one row of metrics_of

@@ -77,6 +77,7 @@ class Setup:
     ood_sets: tuple[str, ...] = ()  # eval.ood_sets entries name=path
     max_images: int = 0         # eval.max_images (0: all)
     small_epochs: bool = False  # the experiment's small-scale epochs replace the recipe's
+    epochs: int = 0             # these epochs replace the recipe's (0: as small_epochs says)
     few: bool = False           # tiny: two corruptions per benchmark at the first and last severity only
     notes: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # (c|cbar|datasets|ood, what the plan found)
 
@@ -146,6 +147,21 @@ def small_setups(data: str = "") -> dict[str, Setup]:
                                    (*demo, "model.name=fastanchor_cifar_resnet18", "train.amp=bf16"), **common)}
 
 
+GPU_DATA = "data/embedded_gpu"
+GPU_EMBEDDED = dict(seed=0, num_classes=10, train_per_class=2500, val_per_class=500, ood_per_class=100)
+GPU_EPOCHS = 8  # with 25,000 training images: the plan fits one 10-minute window (reproduce/gpu_plan.py)
+
+
+def gpu_setup(data: str = "") -> Setup:
+    """The gpu scale: a generated CIFAR-sized set (25,000 training images at 32 px, 10 classes) and the CIFAR
+    ResNet-18 in bf16, batch 512, the in-memory device loader; planned to fit one GPU window."""
+    train = (f"data.root={data or GPU_DATA}", *(f"embedded.{k}={v}" for k, v in GPU_EMBEDDED.items()),
+             "model.name=fastanchor_cifar_resnet18", "train.amp=bf16", "data.batch_size=512", "data.eval_batch_size=1024",
+             "data.loader=memory", "anchor.mask_level=batch", "optim.lr=0.004")
+    return Setup("gpu", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, 10 * GPU_EMBEDDED["train_per_class"], train,
+                 corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=1000, epochs=GPU_EPOCHS)
+
+
 def folder_setup(root: Path) -> Setup:
     """`--scale small --data FOLDER`: the demo recipe on an ImageFolder tree with train/ and val/ (ConfigError naming
     what is missing); its corruptions from val-c/ where there is one, else on the fly."""
@@ -178,6 +194,8 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
         whole = TINY_EMBEDDED["num_classes"] * TINY_EMBEDDED["train_per_class"]
         return {"tiny": Setup("tiny", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, whole, train, ood_split=True,
                               max_images=16, few=True)}
+    if scale == "gpu":
+        return {"gpu": gpu_setup(data)}
     if scale == "small":
         return {**small_setups(data)} if not data else {"folder": folder_setup(Path(data))}
     root = Path(data)

@@ -68,6 +68,17 @@ def execute(runs: list[Run], out: str | Path, device: str, progress: bool, max_r
     return counts
 
 
+def experiment_eval_images(experiment, scale: str) -> int:
+    """Images one evaluation of `experiment` runs through the model at `scale` (its sets x images a set)."""
+    from fastanchor.pipeline.shifts.corruptions import BAR_CORRUPTIONS
+
+    ev = experiment.evaluation_at(scale)
+    setup = next(iter(setups(scale, "").values()))
+    sets = 1 + (len(setup.corruptions) * len(ev.severities) if ev.corruptions else 0) + \
+        (len(BAR_CORRUPTIONS[setup.bar_parameters]) * len(ev.severities) if ev.corruptions_bar else 0)
+    return sets * (setup.max_images or 1000) * max(ev.references, 1)
+
+
 def setup_facts(scale: str, data: str) -> tuple[dict[str, str], dict[str, int]]:
     found = setups(scale, data)
     return {n: s.paper for n, s in found.items()}, {n: s.whole for n, s in found.items()}
@@ -103,6 +114,12 @@ def run_reproduce(options: ReproduceOptions, command: str) -> int:
         print(f"note: {note}")
     if options.dry_run:
         print(f"# {experiment.name} at scale {scale}: {len(runs)} runs into {Path(options.out) / experiment.name}/")
+        if scale == "gpu":
+            from fastanchor.reproduce.gpu_plan import plan_lines
+            from fastanchor.reproduce.scales import GPU_EMBEDDED
+
+            images = GPU_EMBEDDED["num_classes"] * GPU_EMBEDDED["train_per_class"]
+            print("\n".join(plan_lines(runs, images, eval_images=experiment_eval_images(experiment, scale))))
         for run in runs:
             print(f"# {run.name} ({state_of(run, options.out)})")
             for line in command_lines(run, options.out, options.device):

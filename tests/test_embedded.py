@@ -22,6 +22,7 @@ from fastanchor.pipeline.datasets.embedded import (
     EmbeddedSpec,
     dataset_sha256,
     generate_embedded_dataset,
+    render_image,
 )
 
 TINY = EmbeddedSpec(seed=0, image_size=32, num_classes=3, train_per_class=4, val_per_class=2, ood_per_class=2)
@@ -371,3 +372,18 @@ def test_a_dataset_that_cannot_take_the_texture_split_is_used_as_it_is(tmp_path)
         assert generate_embedded_dataset(root, TINY, progress=False) == root
     assert file_digests(root) == before and sorted(p.name for p in root.iterdir()) == sorted(
         ["manifest.json", "ood", "ood_textures", "train", "val"])
+
+
+def test_the_harder_setting_keeps_hardness_0_bytes_and_is_reproducible():
+    """hardness 0 renders generator version 3's pixels (the digest below was computed with the generator before
+    the harder setting existed, git 2f82d1a); hardness 1 renders other, reproducible pixels of the same classes."""
+    def digest(hardness: int) -> str:
+        spec = EmbeddedSpec(seed=5, num_classes=12, hardness=hardness)
+        pixels = b"".join(render_image(spec, split, c, i).tobytes()
+                          for split in ("train", "ood", TEXTURE_SPLIT) for c in range(4) for i in range(3))
+        return hashlib.sha256(pixels).hexdigest()
+
+    assert digest(0) == "0e20e4418dae13b953b64e08e22cf0b6c3afc46716a90e8a8b75984adc8463ad"
+    assert digest(1) == digest(1) != digest(0)
+    with pytest.raises(ValueError, match="hardness = 2: expected 0"):
+        EmbeddedSpec(hardness=2).validate()

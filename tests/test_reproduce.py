@@ -560,3 +560,50 @@ def test_every_step_kind_is_one_entry_with_its_line_function_label_and_count(tmp
     planned = {type(step) for e in EXPERIMENTS.values() if "small" in e.scales
                for run in plan(e, "small", "", str(tmp_path))[0] for step in run.all_steps(tmp_path)}
     assert planned <= set(kinds.values()) and {steps.Train, steps.Evaluate, steps.FinetuneOOD} <= planned
+
+
+def test_small_scale_on_your_own_image_folder(tiny_dataset, tmp_path):
+    """`--scale small --data FOLDER`: one setup on any ImageFolder tree with train/ and val/ (its pre-corrupted val-c/
+    read where there is one); anything else is one line. The folder's run trains and evaluates for real."""
+    import shutil
+
+    folder = tmp_path / "mine"
+    for split in ("train", "val"):
+        shutil.copytree(tiny_dataset / split, folder / split)
+    shutil.copytree(tiny_dataset / "val", folder / "val-c" / "gaussian_noise" / "3")
+    runs, notes = plan(EXPERIMENTS["tab4"], "small", str(folder), str(tmp_path / "out"), seeds=1, only_values=("0.0",))
+    assert [r.setup for r in runs] == ["folder"] and notes == []
+    assert f"data.root={folder}" in runs[0].train and "data.dataset=folder" in runs[0].train
+    assert f"eval.c_root={folder / 'val-c'}" in runs[0].evaluate
+    shutil.rmtree(folder / "val-c")
+    out = tmp_path / "out"
+    reproduce("tab4", "--scale", "small", "--data", folder, "--seeds", 1, "--values", "0.0", "--out", out, "--no-progress",
+              "--set", "train.epochs=1", "--set", "data.batch_size=16", "--set", "data.workers=0",
+              "--set", "eval.severities=[3]", "--set", "anchor.inference_references=8", "--set", "train.device=cpu")
+    result = json.loads((out / "tab4" / "result.json").read_text())
+    assert [r["run"] for r in result["runs"]] == ["folder-masking-alpha0.0-s0"] and "c_sev3" in result["runs"][0]["metrics"]
+    assert result["runs"][0]["training"] is None  # one epoch: too short to judge a plateau
+    for bad, message in ((tmp_path / "nowhere", "no such folder"), (folder / "train", "no train/ or val/ folder")):
+        failed = run_main("reproduce", "tab4", "--scale", "small", "--data", bad, "--dry-run")
+        assert failed.returncode == 2 and message in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
+
+
+def test_small_scale_plans_both_settings_and_the_resnet18_row_with_equal_labelled_steps(tmp_path):
+    runs, _ = plan(EXPERIMENTS["fig1"], "small", "", str(tmp_path), seeds=1)
+    by_setup = {}
+    for run in runs:
+        by_setup.setdefault(run.setup, set()).add(run.value)
+    assert by_setup == {"demo": {None, 5, 10, 50, 500, "whole"}, "hard": {None, 5, 10, 50, 500, "whole"},
+                        "demo_resnet18": {None, 50, "whole"}}
+    for run in runs:
+        train = dict(o.split("=", 1) for o in run.train)
+        assert train["train.epochs"] == "30"
+        assert (train.get("train.equal_labelled_steps") == "true") == (run.arm == "masking")
+        if run.setup == "hard":
+            assert train["embedded.hardness"] == "1" and train["data.root"] == "data/embedded_hard"
+    tab4 = {r.value: dict(o.split("=", 1) for o in r.train) for r in plan(EXPERIMENTS["tab4"], "small", "", str(tmp_path),
+                                                                          seeds=1, only_setups=("demo",))[0]}
+    assert tab4[1.0]["train.equal_labelled_steps"] == "false"  # alpha 1, uniform target: no labelled step to equal
+    assert tab4["1.0-label"]["anchor.masked_target"] == "label" and tab4[0.25]["train.equal_labelled_steps"] == "true"
+    for overrides in tab4.values():  # every one loads
+        load_config("demo", [f"{k}={v}" for k, v in overrides.items()])

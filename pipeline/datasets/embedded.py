@@ -78,14 +78,14 @@ NOISE_STD = (1.0, 4.0)  # per-image Gaussian noise std, in 0-255 units
 # hardness 1, the harder setting (docs/embedded.md): more intra-class variation (smaller shapes, stretched to other
 # aspect ratios, less contrast, more noise) and clutter (thin strokes of other colours across the image, and a disc
 # that may hide part of the shape). Hardness 0 draws none of these: its bytes are those of the original generator.
-HARD_EXTENT_FRACTION = (0.22, 0.47)
-HARD_STRETCH = (0.6, 1.0)  # one axis of the shape scaled by this before the rotation
-HARD_LUMINANCE_GAP = 0.10
-HARD_NOISE_STD = (2.0, 10.0)
-HARD_STROKES = (2, 4)  # distractor strokes per image (inclusive)
-HARD_STROKE_WIDTH = (0.03, 0.08)  # of the image side
-HARD_OCCLUDER = (0.10, 0.16)  # radius of the occluding disc, of the image side
-HARD_OCCLUDER_PROBABILITY = 0.5
+HARD_EXTENT_FRACTION = (0.26, 0.47)
+HARD_STRETCH = (0.7, 1.0)  # one axis of the shape scaled by this before the rotation
+HARD_LUMINANCE_GAP = 0.15
+HARD_NOISE_STD = (2.0, 8.0)
+HARD_STROKES = (1, 3)  # distractor strokes per image (inclusive)
+HARD_STROKE_WIDTH = (0.03, 0.06)  # of the image side
+HARD_OCCLUDER = (0.08, 0.13)  # radius of the occluding disc, of the image side
+HARD_OCCLUDER_PROBABILITY = 0.4
 
 _SPLIT_CODES = {"train": 0, "val": 1, "ood": 2, TEXTURE_SPLIT: 3}
 _CIRCLE_POINTS = 96

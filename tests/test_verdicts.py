@@ -1,0 +1,93 @@
+"""Verdicts by the rule stated in paper_numbers/000.yaml (reproduce/verdicts.py) and the plateau rule
+(reproduce/convergence.py), on hand-made results: each outcome of the rule, checked against an independent
+computation of the interval (scipy's t-test confidence interval)."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fastanchor.reproduce.convergence import PLATEAU, epoch_records, plateau_of
+from fastanchor.reproduce.experiments import EXPERIMENTS
+from fastanchor.reproduce.verdicts import judge, line, paper_effect, rules, verdicts
+
+RULE = {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}
+CONVERGED = {"converged": True}
+
+
+def result(experiment: str, masking: list[float], anchored: list[float], training=CONVERGED, metric="c_mean",
+           value=None, against_value=None) -> dict:
+    """A result.json of one setup with masking and anchored rows per seed."""
+    rows = []
+    for arm, values, at in (("masking", masking, value), ("anchored", anchored, against_value)):
+        rows += [{"run": f"demo-{arm}-s{seed}", "setup": "demo", "arm": arm, "value": at, "seed": seed,
+                  "metrics": {metric: v}, "training": training} for seed, v in enumerate(values)]
+    return {"experiment": experiment, "runs": rows}
+
+
+def tab1_claim(results: dict) -> dict:
+    return next(v for v in verdicts(results) if v["comparison"].startswith("masking - anchored on c_mean"))
+
+
+def test_the_file_states_the_rule_and_every_claim_has_a_paper_effect():
+    rule, _ = rules("tab1")
+    assert rule == RULE
+    for name in EXPERIMENTS:
+        for claim in rules(name)[1]:
+            effect, source = paper_effect(claim, name)
+            assert effect and source and claim["arm"] in ("standard", "anchored", "masking")
+    effect, source = paper_effect(rules("tab1")[1][0], "tab1")  # Table 1's typed rows, c_mean = mean of the severities
+    assert effect == pytest.approx(np.mean([90.98, 87.15, 83.17, 77.81, 67.26]) - np.mean([88.99, 84.28, 79.16, 72.09, 59.82]))
+    assert "Table 1" in source
+
+
+def test_an_effect_resolved_above_zero_reproduces_with_scipys_interval():
+    masking, anchored = [80.0, 81.5, 80.7], [76.0, 76.9, 77.1]
+    v = tab1_claim(result("tab1", masking, anchored))
+    low, high = stats.ttest_1samp(np.subtract(masking, anchored), 0.0).confidence_interval(0.95)
+    assert v["verdict"] == "reproduces" and v["pairs"] == 3
+    assert (v["low"], v["high"]) == (pytest.approx(low, abs=1e-3), pytest.approx(high, abs=1e-3))
+    assert line(v).startswith("- **reproduces** (demo): masking adds")
+
+
+def test_an_interval_below_half_the_papers_effect_does_not_reproduce():
+    v = tab1_claim(result("tab1", [76.0, 76.5, 76.2], [76.1, 76.3, 76.4]))  # about 0, tight; the paper: +4.4
+    assert v["verdict"] == "does not reproduce"
+
+
+def test_not_decidable_when_too_few_seeds_too_wide_between_or_not_plateaued():
+    two = tab1_claim(result("tab1", [80.0, 81.0], [76.0, 77.0]))
+    assert two["verdict"] == "not decidable here" and "the rule needs 3" in two["reason"]
+    wide = tab1_claim(result("tab1", [70.0, 85.0, 80.0], [76.0, 77.0, 76.5]))
+    assert wide["verdict"] == "not decidable here" and "wider than the paper's effect" in wide["reason"]
+    held = judge([-1.5, 3.5, 0.0, 2.5, 1.0, 3.0, -1.0, 1.5], 4.4, [], RULE)  # about [-0.4, 2.65]: holds 0 and 2.2
+    assert held[0] == "not decidable here" and "holds both 0 and 0.5 x" in held[1]
+    late = tab1_claim(result("tab1", [80.0, 81.5, 80.7], [76.0, 76.9, 77.1], training={"converged": False}))
+    assert late["verdict"] == "not decidable here" and "had not plateaued" in late["reason"]
+    unknown = tab1_claim(result("tab1", [80.0, 81.5, 80.7], [76.0, 76.9, 77.1], training=None))
+    assert "was not recorded" in unknown["reason"]
+
+
+def test_a_swept_claim_pairs_the_values_it_names():
+    """tab4: masking at alpha 0.25 against masking at alpha 0 (vanilla anchoring), paired by seed."""
+    rows = result("tab4", [55.0, 55.4, 55.2], [51.0, 51.2, 51.1], value=0.25, against_value=0.0)
+    for row in rows["runs"]:
+        row["arm"] = "masking"
+    v = verdicts(rows)[0]
+    assert v["verdict"] == "reproduces" and v["comparison"] == "masking at 0.25 - at 0.0 on c_mean, paired by seed"
+    assert v["mean"] == pytest.approx(4.1, abs=1e-3)
+
+
+def test_plateau_rule_on_epoch_records(tmp_path):
+    climbing = [{"epoch": e, "val_top1": 50 + 2 * e, "train_loss": 2.0 - 0.05 * e} for e in range(1, 13)]
+    flat = [{"epoch": e, "val_top1": min(90.0, 60 + 5 * e), "train_loss": max(0.3, 2.0 - 0.3 * e)} for e in range(1, 13)]
+    assert plateau_of(climbing) == {"epochs": 12, "window": 3, "top1_gain": 6.0, "loss_fall": pytest.approx(0.0968, abs=1e-4),
+                                    "converged": False}
+    assert plateau_of(flat)["converged"] is True
+    assert plateau_of(flat[:3]) is None  # too short to judge
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 2.0}] + flat + [flat[-1]]  # a resumed run repeats its last epoch: read once
+    metrics.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    assert [r["epoch"] for r in epoch_records(metrics)] == list(range(1, 13))
+    assert "last 25% of its epochs" in PLATEAU.text()
