@@ -108,8 +108,11 @@ def workspace(tiny_dataset, tmp_path_factory):
     torn.write_bytes((checkpoints / checkpoint_name(1, 3, True)).read_bytes()[:5000])
     save_checkpoint(w / "weights" / "checkpoints" / "epoch_001.pt",
                     {"config": real["config"], "classes": real["classes"], "model": real["model"]})
-    save_checkpoint(w / "wide" / "checkpoints" / "epoch_001.pt",
-                    {**{k: v for k, v in real.items() if k != "format"}, "world_size": 2})
+    mid = load_checkpoint(checkpoints / checkpoint_name(1, 1, False))  # written by 2 DALI processes, mid-epoch
+    dali = {**mid["config"], "data": {**mid["config"]["data"], "loader": "dali"}}
+    save_checkpoint(w / "wide" / "checkpoints" / checkpoint_name(1, 1, False),
+                    {**{k: v for k, v in mid.items() if k != "format"}, "config": dali, "world_size": 2,
+                     "ranks": mid["ranks"] * 2})
     return w
 
 
@@ -201,8 +204,9 @@ CASES = {
     "resume: weights only": Case(lambda w, d: ["train", "--resume", w / "weights" / "checkpoints" / "epoch_001.pt"],
                                  "checkpoint '{w}/weights/checkpoints/epoch_001.pt' cannot be resumed: it holds no training state"),
     "resume: outside a run": Case(lambda w, d: ["train", "--resume", w / "files" / "loose.pt"], "expected a checkpoint inside a run's checkpoints/ folder"),
-    "resume: other process count": Case(lambda w, d: ["train", "--resume", w / "wide" / "checkpoints" / "epoch_001.pt"],
-                                        "was written by 2 training process(es), this run has 1"),
+    "resume: other process count mid-epoch": Case(
+        lambda w, d: ["train", "--resume", w / "wide" / "checkpoints" / checkpoint_name(1, 1, False)],
+        "was written mid-epoch by 2 process(es), this run has 1: data.loader = 'dali' orders an epoch's samples"),
     "resume: config differs": Case(lambda w, d: ["train", "--resume", "auto", *train(w, d, **EARLIER, **{"data.batch_size": 8})[1:]],
                                    "--resume: data.batch_size = 8 differs from 16 in checkpoint '{w}/runs/earlier/checkpoints/epoch_001.pt'"),
     "resume: PATH with another batch": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / checkpoint_name(1, 1, False),

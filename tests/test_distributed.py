@@ -1,10 +1,15 @@
 """Several training processes (torchrun, gloo on the CPU): sharded data, the same training as one
-process with the same global batch, and an exact resume of a 2-process run."""
+process with the same global batch, an exact resume of a 2-process run, its resume with 1 process,
+a process killed under torchrun --max-restarts (the run goes on from its last checkpoint), and a
+process failing (every process ends, with its message)."""
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -25,12 +30,18 @@ STANDARD = {"model.name": "test_efficientnet_gn", "anchor.enabled": "false", "op
 GLOBAL_BATCH = 16  # 48 training images: 3 steps an epoch
 
 
-def torchrun(processes: int, *args) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+def torchrun(processes: int, *args, launch=("--standalone",), env=None, succeeds=True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={processes}",
                "-m", "fastanchor", *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert (result.returncode == 0) == succeeds, result.stderr[-4000:]
     return result
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def read_jsonl(path):
@@ -81,6 +92,56 @@ def test_a_two_process_run_resumes_exactly_from_a_mid_epoch_checkpoint(two_proce
     for key, value in finished["model"].items():
         assert torch.equal(again["model"][key], value), key
     assert read_jsonl(run / "metrics.jsonl")[-1]["train_loss"] == read_jsonl(two_process_run / "metrics.jsonl")[-1]["train_loss"]
+
+
+def test_a_two_process_run_goes_on_with_one_process_from_a_mid_epoch_checkpoint(two_process_run, tmp_path):
+    """The node of rank 1 is gone: one process takes the whole global batch from the position in the epoch on."""
+    run = tmp_path / "two"
+    shutil.copytree(two_process_run, run, symlinks=True)
+    resumed = run_main("train", "--resume", run / "checkpoints" / checkpoint_name(2, 4, False))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(epoch 2, batch 1 of 3, step 4)" in resumed.stdout
+    assert f"1 process(es) go on from 2: data.batch_size {GLOBAL_BATCH} each keeps the global batch of {GLOBAL_BATCH}" \
+        in resumed.stdout
+    finished = torch.load(two_process_run / "final.pt", weights_only=True)
+    again = torch.load(run / "final.pt", weights_only=True)
+    assert again["world_size"] == 1 and again["global_batch"] == GLOBAL_BATCH and again["step"] == finished["step"]
+    # the same samples in every global batch, one mean instead of an all-reduce: rounding apart (as above: 2e-4
+    # after 6 steps from the start; resuming at step 4 only shortens the steps that differ)
+    for key, value in finished["model"].items():
+        difference = (again["model"][key].float() - value.float()).abs().max().item()
+        assert difference <= 2e-4, (key, difference)
+    before = read_jsonl(two_process_run / "metrics.jsonl")[-1]
+    after = read_jsonl(run / "metrics.jsonl")[-1]
+    assert after["step"] == before["step"] and after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-4)
+
+
+def test_a_process_killed_mid_epoch_under_max_restarts_goes_on_from_the_last_checkpoint(two_process_run, tiny_dataset,
+                                                                                          tmp_path):
+    """torchrun with a c10d rendezvous restarts both processes once rank 1 is killed after step 5 (the last
+    checkpoint: step 4); `--resume auto` takes the run up there and ends with the uninterrupted run's weights."""
+    args = tiny_overrides(tiny_dataset, tmp_path, **STANDARD, **{"data.batch_size": GLOBAL_BATCH // 2,
+                                                                   "train.run_name": "restarted"})
+    launch = ("--nnodes=1", "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+              "--rdzv-id=restart-test")
+    result = torchrun(2, "train", "--resume", "auto", *args, launch=launch, env={"FASTANCHOR_TEST_FAULT": "kill:1:5"})
+    assert "resuming from" in result.stdout and "(epoch 2, batch 1 of 3, step 4)" in result.stdout
+    assert "failed (exitcode: -9) local_rank: 1" in result.stderr  # the first attempt did end that way (SIGKILL)
+    finished = torch.load(two_process_run / "final.pt", weights_only=True)
+    again = torch.load(tmp_path / "restarted" / "final.pt", weights_only=True)
+    for key, value in finished["model"].items():
+        assert torch.equal(again["model"][key], value), key
+
+
+def test_an_exception_in_one_process_ends_every_process_with_its_message(tiny_dataset, tmp_path):
+    args = tiny_overrides(tiny_dataset, tmp_path, **STANDARD, **{"data.batch_size": GLOBAL_BATCH // 2,
+                                                                   "train.run_name": "failing",
+                                                                   "train.collective_timeout": 60})
+    started = time.perf_counter()
+    result = torchrun(2, "train", *args, env={"FASTANCHOR_TEST_FAULT": "raise:1:2"}, succeeds=False)
+    assert "RuntimeError: injected fault (FASTANCHOR_TEST_FAULT) in process 1 at step 2" in result.stderr
+    assert time.perf_counter() - started < 60  # rank 0 did not wait out the collective timeout
+    assert not (tmp_path / "failing" / "final.pt").exists()
 
 
 def test_epoch_shards_split_each_global_batch_between_processes():
