@@ -149,6 +149,8 @@ CASES = {
     "cuda on a cpu machine": Case(lambda w, d: train(w, d, **{"train.device": "cuda"}), "CUDA is not available"),
     "embedded resolution too small": Case(lambda w, d: train(w, d, **{"embedded.image_size": 8}), "embedded.image_size = 8: expected 32 to 256"),
     "negative checkpoint interval": Case(lambda w, d: train(w, d, **{"train.checkpoint_interval": -5}), "train.checkpoint_interval = -5: expected >= 0 steps"),
+    "negative collective timeout": Case(lambda w, d: train(w, d, **{"train.collective_timeout": -1}),
+                                        "train.collective_timeout = -1: expected >= 0 seconds"),
     "negative checkpoints kept": Case(lambda w, d: train(w, d, **{"train.keep_checkpoints": -1}), "train.keep_checkpoints = -1: expected >= 0"),
     "betas not numbers": Case(lambda w, d: train(w, d, **{"optim.betas": "[a, b]"}), "config key 'optim.betas' expects a list of float, got ['a', 'b']"),
     "negative momentum": Case(lambda w, d: train(w, d, **{"optim.momentum": -0.5}), "optim.momentum = -0.5: expected [0, 1)"),
@@ -243,6 +245,16 @@ def test_bad_input(name, workspace, tiny_dataset):
     if not case.writes:
         assert after == before
     assert not (workspace / "marker").exists()  # no crafted pickle ran
+
+
+def test_srun_without_torchrun_is_refused_with_the_command_to_use(workspace, tiny_dataset, monkeypatch):
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # what srun -n 4 sets in each task
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = snapshot(workspace)
+    result = run_in_process(*train(workspace, tiny_dataset, **{"train.run_name": "slurm"}))
+    assert_one_line_error(result, "srun started 4 tasks (SLURM_STEP_NUM_TASKS) without torchrun: each would run alone")
+    assert "srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES" in result.stderr
+    assert snapshot(workspace) == before
 
 
 def test_resuming_a_finished_run_changes_nothing(workspace, tiny_dataset):
