@@ -124,6 +124,15 @@ def gather_to_main(processes: Processes, value) -> list | None:
     return gathered
 
 
+def gather_everywhere(processes: Processes, value) -> list:
+    """[value of rank 0, value of rank 1, ...] on every rank (any picklable value; tensors on the CPU)."""
+    if not processes.several:
+        return [value]
+    gathered = [None] * processes.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def broadcast_module_buffers(processes: Processes, module: torch.nn.Module) -> None:
     """Give every process rank 0's buffers (BatchNorm running statistics drift apart per rank)."""
     if processes.several:
