@@ -144,6 +144,44 @@ def test_an_exception_in_one_process_ends_every_process_with_its_message(tiny_da
     assert not (tmp_path / "failing" / "final.pt").exists()
 
 
+def metrics_of(result: dict, path=()) -> dict:
+    """Every number of an eval.json by its path, but the times (ms_per_1000) and file names."""
+    if isinstance(result, dict):
+        return {k: v for key, value in result.items() if "ms_per_1000" not in key
+                for k, v in metrics_of(value, (*path, key)).items()}
+    if isinstance(result, list):
+        return {k: v for i, value in enumerate(result) for k, v in metrics_of(value, (*path, i)).items()}
+    return {path: result} if isinstance(result, (int, float)) and not isinstance(result, bool) else {}
+
+
+def test_two_processes_evaluate_to_one_process_numbers(tiny_dataset, tmp_path):
+    """An anchored checkpoint evaluated by 2 processes (every set in batches of 5, shared out and gathered: K
+    references, BLT, a corruption, anomaly scores with ReAct) writes one process's eval.json, metric by metric."""
+    trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
+        "model.name": "test_efficientnet_gn", "train.run_name": "anchored", "train.max_steps": 0,
+        "train.threads": 1}))
+    assert trained.returncode == 0, trained.stderr
+    checkpoint = tmp_path / "anchored" / "final.pt"
+    settings = ["--set", "data.eval_batch_size=5", "--set", "eval.corruptions=[contrast]", "--set", "eval.corruptions_bar=[]",
+                "--set", "eval.plots=false", "--set", "eval.ood_references=2"]
+    torchrun(2, "evaluate", "--checkpoint", checkpoint, *settings)
+    two = json.loads((tmp_path / "anchored" / "eval.json").read_text())
+    (tmp_path / "anchored" / "eval.json").unlink()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's processes (OMP_NUM_THREADS=1): the same float summation order
+    try:
+        one = run_main("evaluate", "--checkpoint", checkpoint, *settings)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.returncode == 0, one.stderr
+    one = json.loads((tmp_path / "anchored" / "eval.json").read_text())
+    assert two["id"]["images"] == one["id"]["images"] > 3 * 5 and two["id"]["by_protocol"].keys() == {"one_reference", "k3", "blt", "k2"}
+    numbers_one, numbers_two = metrics_of(one), metrics_of(two)
+    assert numbers_two.keys() == numbers_one.keys() and len(numbers_one) > 100
+    for key, value in numbers_one.items():
+        assert numbers_two[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
 def test_epoch_shards_split_each_global_batch_between_processes():
     n, batch, world = 10, 2, 3
     whole, seeds = epoch_shard(n, seed=7, epoch=3, shuffle=True)
