@@ -75,6 +75,8 @@ def evaluate(options: o.EvaluateOptions, command: str) -> None:
     from fastanchor.evaluation.evaluate import evaluate_checkpoint, summary_lines
 
     result = evaluate_checkpoint(Path(options.checkpoint), options.overrides, options.device)
+    if result is None:  # a process other than rank 0 under torchrun: rank 0 writes and prints
+        return
     written = RunFolder.of_checkpoint(options.checkpoint).evaluation_of(options.checkpoint)
     print(json.dumps(result, indent=2) if options.json else "\n".join(summary_lines(result, written)))
 

@@ -14,6 +14,10 @@
   paper's protocol (one random reference per sample) unless eval.ood_references asks for the mean
   logits over several; AUROC, AUPR and FPR95 per OOD set under the convention named in the output.
 
+Under torchrun every set is shared out by whole batches (batch k to process k mod N), each batch's random
+reference draws seeded by its own number (`batch_generator`), and the outputs gathered in the set's order: the
+numbers are one process's. Only rank 0 writes.
+
 The references are the checkpoint's inference reference set: the training reference set R itself
 when training used a fixed R (up to anchor.inference_references images), else a uniform sample of
 the training images. BLT's residuals and ReAct's threshold come from it too.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import time
 import warnings
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset, Subset
 
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
@@ -52,6 +58,7 @@ from fastanchor.trainer.build import (
     train_loader,
 )
 from fastanchor.trainer.config import Config
+from fastanchor.trainer.distributed import Processes, gather_everywhere, start_processes, stop_processes
 from fastanchor.evaluation.features import PenultimateTap, react_threshold
 from fastanchor.evaluation.inference import BilinearTransduction
 from fastanchor.trainer.predict import predict, topk_correct
@@ -135,22 +142,32 @@ class Outputs:
         return Outputs(logits, logits.softmax(-1), self.std, self.labels, None, self.seconds, self.timed_images)
 
 
-def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: dict | None = None) -> dict[str, Outputs]:
-    """Apply every `protocol(images) -> Prediction` of `protocols` ({name: protocol}) to each batch of one pass
-    over a loader (the protocols share the decoded batches); time each protocol alone, the first batch being a
-    warm-up that is not timed when there are more. `taps`: {name: PenultimateTap} hooked only while that
-    protocol runs (its ReAct logits)."""
+def batch_generator(seed: int, number: int) -> torch.Generator:
+    """The generator of a set's batch `number` (the first: `seed` itself): each batch draws its own references,
+    whichever process evaluates it and whatever came before."""
+    return torch.Generator().manual_seed((seed + number * 0x9E3779B97F4A7C15) % 2**64)
+
+
+def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: dict | None = None, seed: int = 0,
+                  numbers=None) -> dict[str, Outputs]:
+    """Apply every `protocol(images, generator) -> Prediction` of `protocols` ({name: protocol}) to each batch of one
+    pass over a loader (the protocols share the decoded batches), with `batch_generator(seed, number)` for batch
+    `number` of the set (`numbers`: the set's number of each batch the loader yields; 0, 1, ... by default); time
+    each protocol alone, the first batch being a warm-up that is not timed when there are more. `taps`:
+    {name: PenultimateTap} hooked only while that protocol runs (its ReAct logits)."""
     taps = taps or {}
+    numbers = iter(numbers if numbers is not None else itertools.count())
     parts = {name: {"logits": [], "probs": [], "std": [], "react": []} for name in protocols}
     labels_seen, timings = [], {name: [] for name in protocols}  # (seconds, images) per batch
     bar = progress_bar(loader, desc=desc, leave=False, enabled=progress, unit="batch")
     for images, labels in bar:
         labels_seen.append(labels.cpu())
+        number = next(numbers)
         for name, protocol in protocols.items():
             tap = taps.get(name)
             with tap or contextlib.nullcontext():
                 started = time.perf_counter()
-                prediction = protocol(images)
+                prediction = protocol(images, batch_generator(seed, number))
                 if images.is_cuda:
                     torch.cuda.synchronize(images.device)
                 timings[name].append((time.perf_counter() - started, labels.numel()))
@@ -172,18 +189,17 @@ def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: d
     return outputs
 
 
-def run_protocol(protocol, loader, *, desc: str, progress: bool, tap: PenultimateTap | None = None) -> Outputs:
+def run_protocol(protocol, loader, *, desc: str, progress: bool, tap: PenultimateTap | None = None, seed: int = 0) -> Outputs:
     """One protocol over a loader (`run_protocols` with one)."""
-    return run_protocols({"protocol": protocol}, loader, desc=desc, progress=progress,
+    return run_protocols({"protocol": protocol}, loader, desc=desc, progress=progress, seed=seed,
                          taps={"protocol": tap} if tap is not None else None)["protocol"]
 
 
 def collect(model, loader, *, anchored: bool, references, num_references: int, seed: int, desc: str, progress: bool) -> dict:
     """K-reference (or standard) inference over a loader: logits, probs, std, labels and ms_per_1000."""
-    generator = torch.Generator().manual_seed(seed)
-    out = run_protocol(lambda images: predict(model, images, anchored=anchored, references=references,
-                                              num_references=num_references, generator=generator),
-                       loader, desc=desc, progress=progress)
+    out = run_protocol(lambda images, generator: predict(model, images, anchored=anchored, references=references,
+                                                         num_references=num_references, generator=generator),
+                       loader, desc=desc, progress=progress, seed=seed)
     return {"logits": out.logits, "probs": out.probs, "std": out.std, "labels": out.labels, "ms_per_1000": out.ms_per_1000}
 
 
@@ -249,8 +265,10 @@ class Evaluator:
     set sees the same reference draws whatever was evaluated before it.
     """
 
-    def __init__(self, model, config: Config, state: dict, device: torch.device, progress: bool):
+    def __init__(self, model, config: Config, state: dict, device: torch.device, progress: bool,
+                 processes: Processes = Processes()):
         self.model, self.config, self.progress = model, config, progress
+        self.device, self.processes = device, processes
         self.anchored = config.anchor.enabled
         self.num_classes = len(state["classes"])
         self.reference_images = state["reference_images"].to(device)
@@ -268,16 +286,15 @@ class Evaluator:
         return torch.Generator().manual_seed(self.config.eval.seed)
 
     def references_protocol(self, num_references: int):
-        generator = self.generator()
-        return lambda images: predict(self.model, images, anchored=self.anchored, references=self.references,
-                                      num_references=num_references, generator=generator, flip=self.config.eval.flip_tta)
+        return lambda images, generator: predict(self.model, images, anchored=self.anchored, references=self.references,
+                                                 num_references=num_references, generator=generator,
+                                                 flip=self.config.eval.flip_tta)
 
     def blt_protocol(self):
         e = self.config.eval
         blt = BilinearTransduction(self.references, num_residuals=e.blt_residuals, num_candidates=e.blt_candidates,
                                    generator=self.generator())
-        generator = self.generator()
-        return lambda images: blt.predict(self.model, images, generator, flip=self.config.eval.flip_tta)
+        return lambda images, generator: blt.predict(self.model, images, generator, flip=self.config.eval.flip_tta)
 
     def protocols(self, names) -> dict:
         """Fresh protocols by eval.json name (duplicates dropped, order kept)."""
@@ -308,10 +325,19 @@ class Evaluator:
             return "one random reference per sample (the paper's default)"
         return f"mean prediction over K = {name[1:]} random references per sample; std score from their spread"
 
-    def run(self, protocols: dict, loader, desc: str, tap: PenultimateTap | None = None) -> dict[str, Outputs]:
-        """Every protocol over one pass of the loader; the tap (ReAct) hooks the anomaly scores' protocol."""
+    def run(self, protocols: dict, source, desc: str, tap: PenultimateTap | None = None) -> dict[str, Outputs]:
+        """Every protocol over one pass of `source` (a loader, or a Dataset shared out between the processes by whole
+        batches and gathered); the tap (ReAct) hooks the anomaly scores' protocol."""
         taps = {self.ood_name: tap} if tap is not None and self.ood_name in protocols else None
-        return run_protocols(protocols, loader, desc=desc, progress=self.progress, taps=taps)
+        seed = self.config.eval.seed
+        if not isinstance(source, Dataset):
+            return run_protocols(protocols, source, desc=desc, progress=self.progress, taps=taps, seed=seed)
+        size, p = self.config.data.eval_batch_size, self.processes
+        numbers = list(range(p.rank, -(-len(source) // size), p.world_size))  # this process's batches of the set
+        samples = [i for k in numbers for i in range(k * size, min((k + 1) * size, len(source)))]
+        mine = run_protocols(protocols, loader_for(Subset(source, samples), self.config.data, self.device), desc=desc,
+                             progress=self.progress, taps=taps, seed=seed, numbers=numbers) if samples else None
+        return in_set_order(gather_everywhere(p, (samples, mine)))
 
     def react_tap(self) -> PenultimateTap | None:
         """A tap clipping at the ReAct threshold estimated on the reference images (training images), or None
@@ -326,8 +352,8 @@ class Evaluator:
                   for i in range(0, len(self.reference_images), d.eval_batch_size)]
         protocol = self.references_protocol(1)
         with tap:
-            for images, _ in loader:
-                logits = protocol(images).logits
+            for number, (images, _) in enumerate(loader):
+                logits = protocol(images, batch_generator(e.seed, number)).logits
                 try:
                     tap.check_is_last_layer(logits)
                 except ModelError as error:
@@ -340,6 +366,23 @@ class Evaluator:
         return tap
 
 
+def in_set_order(parts: list[tuple[list[int], dict[str, Outputs] | None]]) -> dict[str, Outputs]:
+    """Every process's (sample positions, outputs) joined into the outputs of the whole set, in its order; the
+    time inside each protocol summed over the processes (ms_per_1000: per process)."""
+    parts = [(positions, outputs) for positions, outputs in parts if outputs is not None]
+    if len(parts) == 1:
+        return parts[0][1]
+    order = torch.tensor([i for positions, _ in parts for i in positions]).argsort()
+    joined = {}
+    for name in parts[0][1]:
+        each = [outputs[name] for _, outputs in parts]
+        cat = lambda key: torch.cat([getattr(o, key) for o in each])[order]  # noqa: E731
+        joined[name] = Outputs(cat("logits"), cat("probs"), cat("std"), cat("labels"),
+                               cat("react_logits") if each[0].react_logits is not None else None,
+                               seconds=sum(o.seconds for o in each), timed_images=sum(o.timed_images for o in each))
+    return joined
+
+
 def protocol_results(outputs: dict[str, Outputs], bins: int, classes: tuple[int, ...] | None = None) -> dict:
     """{protocol: top1, top5, smece, ece, ms_per_1000} of one labelled set."""
     results = {}
@@ -349,10 +392,18 @@ def protocol_results(outputs: dict[str, Outputs], bins: int, classes: tuple[int,
     return results
 
 
-def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", progress: bool = True) -> dict:
-    """Evaluate one checkpoint; the result is also written to <run>/eval.json, its plots under <run>/plots/."""
-    path = Path(path)
-    device = resolve_device(device)
+def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", progress: bool = True) -> dict | None:
+    """Evaluate one checkpoint; the result is also written to <run>/eval.json, its plots under <run>/plots/.
+    Under torchrun the processes share the work; rank 0 writes and returns the result, the others None."""
+    processes, device = start_processes(resolve_device(device))
+    try:
+        result = evaluate_in_processes(Path(path), overrides, device, progress and processes.main, processes)
+    finally:
+        stop_processes(processes)
+    return result if processes.main else None
+
+
+def evaluate_in_processes(path: Path, overrides, device: torch.device, progress: bool, processes: Processes) -> dict:
     model, config, state = load_for_inference(path, device, overrides)
     e, d = config.eval, config.data
     classes = tuple(state["classes"])
@@ -361,13 +412,13 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     val_index = split_index(d, d.val_split, classes)
     shifts = shift_sets(config, val_index, classes)
     oods = ood_sets(config)
-    if e.max_images:  # a subset: decoded by the torchvision path like every other set
-        dataset = subset(DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio)), e.max_images, e.seed)
-        id_loader = lambda: loader_for(dataset, d, device)  # noqa: E731
+    if e.max_images or processes.several:  # a subset, or shared out: decoded by the torchvision path like every other set
+        dataset = DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio))
+        id_source = lambda: subset(dataset, e.max_images, e.seed) if e.max_images else dataset  # noqa: E731
     else:
-        id_loader = lambda: eval_loader(d, val_index, device, progress=progress and config.train.progress)  # noqa: E731
+        id_source = lambda: eval_loader(d, val_index, device, progress=progress and config.train.progress)  # noqa: E731
 
-    ev = Evaluator(model, config, state, device, progress and config.train.progress)
+    ev = Evaluator(model, config, state, device, progress and config.train.progress, processes)
     anchored, k = ev.anchored, ev.k
     if ev.blt and len(ev.references) < 2:
         raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
@@ -380,7 +431,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
 
     # --- every protocol on the validation split (one pass; the anomaly protocol's pass is tapped for ReAct) ----
     tap = ev.react_tap() if oods else None
-    id_outputs = ev.run(ev.protocols(ev.id_protocols(bool(oods))), id_loader(), "validation", tap)
+    id_outputs = ev.run(ev.protocols(ev.id_protocols(bool(oods))), id_source(), "validation", tap)
     clean, clean_k = id_outputs["one_reference"], id_outputs[ev.k_name]
     result["id"] = {**accuracy(clean), f"top1_k{k}": accuracy(clean_k)["top1"], **calibration(clean, e.ece_bins),
                     "nll": negative_log_likelihood(clean.probs.double().numpy(), clean.labels.numpy()),
@@ -408,7 +459,7 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     shift_results = {}
     reliability_groups = {"validation": [confidences_and_outcomes(clean.probs.double().numpy(), clean.labels.numpy())]}
     for eval_set in shifts:
-        outputs = ev.run(ev.protocols(ev.shift_protocols()), loader_for(eval_set.dataset, d, device), eval_set.name)
+        outputs = ev.run(ev.protocols(ev.shift_protocols()), eval_set.dataset, eval_set.name)
         one = outputs["one_reference"].restricted(eval_set.class_subset)
         shift_results[eval_set.name] = {**eval_set.summary(), **accuracy(one), **calibration(one, e.ece_bins),
                                         "by_protocol": protocol_results(outputs, e.ece_bins, eval_set.class_subset)}
@@ -432,11 +483,13 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
     ood_outputs = {}
     if oods:
         result["ood"], ood_score_values, ood_outputs = anomaly_rejection(ev, oods, id_outputs, tap, d, device)
-        result["ood"]["scores_file"] = write_ood_scores(path, ood_score_values)
+        result["ood"]["scores_file"] = write_ood_scores(path, ood_score_values, processes.main)
     else:
         ood_score_values = None
     result["by_protocol"] = protocol_summary(ev, id_outputs, shift_results, ood_outputs)
 
+    if not processes.main:  # only rank 0 writes
+        return result
     if e.plots:
         result["plots"] = write_plots(path, result, reliability_groups, ood_score_values, e.ece_bins)
     atomic_write_bytes(RunFolder.of_checkpoint(path).evaluation_of(path), lambda handle: handle.write(json.dumps(result, indent=2).encode()))
@@ -486,7 +539,7 @@ def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], id_outputs: dict[str, 
     id_scores = scores_of(id_outputs)
     per_set, values, raw = {}, {"id": id_scores, "ood": {}}, {}
     for eval_set in oods:
-        outputs = ev.run(ev.protocols(ev.ood_protocols()), loader_for(eval_set.dataset, data, device), eval_set.name, tap)
+        outputs = ev.run(ev.protocols(ev.ood_protocols()), eval_set.dataset, eval_set.name, tap)
         raw[eval_set.name] = outputs
         scores = scores_of(outputs)
         values["ood"][eval_set.name] = scores
@@ -513,13 +566,15 @@ def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], id_outputs: dict[str, 
     return summary, values, raw
 
 
-def write_ood_scores(checkpoint: Path, values: dict) -> str:
+def write_ood_scores(checkpoint: Path, values: dict, write: bool = True) -> str:
     """Per-sample scores beside eval.json (`ood_scores.npz`: arrays "id/<score>" and "<ood set>/<score>"),
-    for histograms drawn later; returns the file's path relative to the run directory."""
+    for histograms drawn later (`write` false: not written); returns the file's path relative to the run directory."""
     arrays = {f"id/{score}": v for score, v in values["id"].items()}
     arrays.update({f"{name}/{score}": v for name, scores in values["ood"].items() for score, v in scores.items()})
     folder = RunFolder.of_checkpoint(checkpoint)
     target = folder.ood_scores_of(checkpoint)
+    if not write:
+        return str(target.relative_to(folder.root))
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     atomic_write_bytes(target, lambda handle: handle.write(buffer.getvalue()))

@@ -12,6 +12,8 @@ Standard training uses the same stage with `anchored=False` (normalisation and l
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple
 
@@ -102,6 +104,20 @@ class AnchoringStage:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict:
+        """The stage's own state (masking and reference generator, reference bank, batch augmentations), for a
+        checkpoint of another trainer (e.g. a Lightning callback's); the loader's position is not in it. A copy:
+        the stage going on does not change it."""
+        return copy.deepcopy({"generator": self.generator.get_state(), "references": self.references.state_dict(),
+                              "augment": self.augment.state_dict() if hasattr(self.augment, "state_dict") else None})
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from `state_dict()`: the next batches are masked, paired and augmented as they would have been."""
+        self.generator.set_state(state["generator"])
+        self.references.load_state_dict(state["references"], self.device)
+        if state["augment"] is not None:
+            self.augment.load_state_dict(state["augment"])
 
     def __iter__(self) -> Iterator[AnchoredBatch]:
         for images, labels in self.loader:

@@ -108,8 +108,11 @@ def workspace(tiny_dataset, tmp_path_factory):
     torn.write_bytes((checkpoints / checkpoint_name(1, 3, True)).read_bytes()[:5000])
     save_checkpoint(w / "weights" / "checkpoints" / "epoch_001.pt",
                     {"config": real["config"], "classes": real["classes"], "model": real["model"]})
-    save_checkpoint(w / "wide" / "checkpoints" / "epoch_001.pt",
-                    {**{k: v for k, v in real.items() if k != "format"}, "world_size": 2})
+    mid = load_checkpoint(checkpoints / checkpoint_name(1, 1, False))  # written by 2 DALI processes, mid-epoch
+    dali = {**mid["config"], "data": {**mid["config"]["data"], "loader": "dali"}}
+    save_checkpoint(w / "wide" / "checkpoints" / checkpoint_name(1, 1, False),
+                    {**{k: v for k, v in mid.items() if k != "format"}, "config": dali, "world_size": 2,
+                     "ranks": mid["ranks"] * 2})
     return w
 
 
@@ -146,6 +149,8 @@ CASES = {
     "cuda on a cpu machine": Case(lambda w, d: train(w, d, **{"train.device": "cuda"}), "CUDA is not available"),
     "embedded resolution too small": Case(lambda w, d: train(w, d, **{"embedded.image_size": 8}), "embedded.image_size = 8: expected 32 to 256"),
     "negative checkpoint interval": Case(lambda w, d: train(w, d, **{"train.checkpoint_interval": -5}), "train.checkpoint_interval = -5: expected >= 0 steps"),
+    "negative collective timeout": Case(lambda w, d: train(w, d, **{"train.collective_timeout": -1}),
+                                        "train.collective_timeout = -1: expected >= 0 seconds"),
     "negative checkpoints kept": Case(lambda w, d: train(w, d, **{"train.keep_checkpoints": -1}), "train.keep_checkpoints = -1: expected >= 0"),
     "betas not numbers": Case(lambda w, d: train(w, d, **{"optim.betas": "[a, b]"}), "config key 'optim.betas' expects a list of float, got ['a', 'b']"),
     "negative momentum": Case(lambda w, d: train(w, d, **{"optim.momentum": -0.5}), "optim.momentum = -0.5: expected [0, 1)"),
@@ -201,8 +206,9 @@ CASES = {
     "resume: weights only": Case(lambda w, d: ["train", "--resume", w / "weights" / "checkpoints" / "epoch_001.pt"],
                                  "checkpoint '{w}/weights/checkpoints/epoch_001.pt' cannot be resumed: it holds no training state"),
     "resume: outside a run": Case(lambda w, d: ["train", "--resume", w / "files" / "loose.pt"], "expected a checkpoint inside a run's checkpoints/ folder"),
-    "resume: other process count": Case(lambda w, d: ["train", "--resume", w / "wide" / "checkpoints" / "epoch_001.pt"],
-                                        "was written by 2 training process(es), this run has 1"),
+    "resume: other process count mid-epoch": Case(
+        lambda w, d: ["train", "--resume", w / "wide" / "checkpoints" / checkpoint_name(1, 1, False)],
+        "was written mid-epoch by 2 process(es), this run has 1: data.loader = 'dali' orders an epoch's samples"),
     "resume: config differs": Case(lambda w, d: ["train", "--resume", "auto", *train(w, d, **EARLIER, **{"data.batch_size": 8})[1:]],
                                    "--resume: data.batch_size = 8 differs from 16 in checkpoint '{w}/runs/earlier/checkpoints/epoch_001.pt'"),
     "resume: PATH with another batch": Case(lambda w, d: ["train", "--resume", w / "runs" / "earlier" / "checkpoints" / checkpoint_name(1, 1, False),
@@ -239,6 +245,16 @@ def test_bad_input(name, workspace, tiny_dataset):
     if not case.writes:
         assert after == before
     assert not (workspace / "marker").exists()  # no crafted pickle ran
+
+
+def test_srun_without_torchrun_is_refused_with_the_command_to_use(workspace, tiny_dataset, monkeypatch):
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # what srun -n 4 sets in each task
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = snapshot(workspace)
+    result = run_in_process(*train(workspace, tiny_dataset, **{"train.run_name": "slurm"}))
+    assert_one_line_error(result, "srun started 4 tasks (SLURM_STEP_NUM_TASKS) without torchrun: each would run alone")
+    assert "srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES" in result.stderr
+    assert snapshot(workspace) == before
 
 
 def test_resuming_a_finished_run_changes_nothing(workspace, tiny_dataset):

@@ -203,3 +203,20 @@ def test_dali_iterator_wrapped_by_the_api(tiny_dataset):
     assert len(losses) == 2 * sum(per_class.values()) // 16 and all(np.isfinite(losses))
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert batches.references.filled == 2 * sum(per_class.values())
+
+
+def test_the_stage_state_restores_masks_references_and_the_bank():
+    """A stage restored from `state_dict()` after 3 batches makes the 4th and 5th exactly as the stage that went on."""
+    images = torch.randint(0, 256, (5, 6, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    batches = [(images[k], torch.arange(6)) for k in range(5)]
+    first = anchored(batches[:3], alpha=0.5, references="bank", bank_size=8, mask_level="sample", seed=2)
+    assert len(list(first)) == 3
+    saved = first.state_dict()
+    first.loader.loader = batches[3:]
+    went_on = list(first)
+    restored = anchored(batches[3:], alpha=0.5, references="bank", bank_size=8, mask_level="sample", seed=2)
+    fresh = list(anchored(batches[3:], alpha=0.5, references="bank", bank_size=8, mask_level="sample", seed=2))
+    restored.load_state_dict(saved)
+    for a, b, c in zip(went_on, list(restored), fresh):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.masked, b.masked)
+    assert not all(torch.equal(a.inputs, c.inputs) for a, c in zip(went_on, fresh))  # the state mattered

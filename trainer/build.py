@@ -509,7 +509,8 @@ def build_training(config: Config, processes: Processes, device: torch.device, p
     steps_per_epoch = len(loader)
     if point is not None and point.state["steps_per_epoch"] != steps_per_epoch:
         raise ConfigError(f"checkpoint '{point.path}' was written with {point.state['steps_per_epoch']} steps per epoch, "
-                          f"the data now gives {steps_per_epoch}: resume on the same dataset")
+                          f"the data now gives {steps_per_epoch} ({processes.world_size} process(es) of {d.batch_size} "
+                          f"images): resume on the same dataset (another number of processes may pad the epoch differently)")
     fixed_positions = reference_indices(len(train_index), a.fixed_size, t.seed + 1) if a.references == "fixed" else None
     fixed_train_refs = decode_references(d, train_index, fixed_positions).to(device) if fixed_positions else None
     if point:  # a resumed run keeps its inference references (checkpoints before their origin was saved: None)

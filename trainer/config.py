@@ -155,6 +155,7 @@ class TrainConfig:
     nonfinite: str = option("stop", "on a nan/inf loss: stop the run naming the step, or skip that step's update", choices=("stop", "skip"))
     deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off)")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes (SyncBatchNorm; torchrun on CUDA)")
+    collective_timeout: int = option(0, "seconds a process waits in a collective for the others before it fails (0: torch's default)")
     max_steps: int = option(0, "stop after this many training steps, before any validation or checkpoint (0: train every epoch)")
     freeze_backbone: bool = option(False, "train the classifier only; norm layers elsewhere stay in eval mode (last-layer training)")
 
@@ -413,6 +414,7 @@ def _train_checks(t: TrainConfig):
     yield "device", DEVICE.fullmatch(t.device) is not None, "auto, cpu, cuda or cuda:N (N a device number)"
     yield "seed", 0 <= t.seed < 2**32, SEED_RANGE
     yield "threads", t.threads >= 0, ">= 0 (0 keeps torch's default)"
+    yield "collective_timeout", t.collective_timeout >= 0, ">= 0 seconds (0: torch's default)"
 
 
 def _eval_checks(e: EvalConfig):

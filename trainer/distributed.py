@@ -3,13 +3,18 @@
 `torchrun --nproc_per_node N -m fastanchor train ...` starts N copies of the trainer with RANK,
 LOCAL_RANK and WORLD_SIZE set; `start_processes` joins them into one process group (NCCL on
 CUDA, one GPU per process; gloo on the CPU). Without torchrun everything here is a no-op for a
-single process, so the loop reads the same either way.
+single process, so the loop reads the same either way; SLURM's `srun` starting several tasks
+without torchrun is refused (each would train alone). When one process fails, torchrun ends the
+others; a collective waits at most `timeout_seconds` (train.collective_timeout) for a process
+that is gone. `injected_fault` is the tests' way to make one process fail (docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,12 +46,14 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name} = {value!r}: expected an integer (set by torchrun)") from None
 
 
-def start_processes(device: torch.device) -> tuple[Processes, torch.device]:
+def start_processes(device: torch.device, timeout_seconds: int = 0) -> tuple[Processes, torch.device]:
     """Join the process group torchrun describes in the environment; return who we are and our device.
 
-    On CUDA each process takes GPU LOCAL_RANK (whatever index train.device names)."""
+    On CUDA each process takes GPU LOCAL_RANK (whatever index train.device names); `timeout_seconds`
+    (0: torch's default) bounds every collective's wait."""
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size <= 1:
+        refuse_srun_without_torchrun()
         return Processes(), device
     processes = Processes(rank=_env_int("RANK", 0), world_size=world_size, local_rank=_env_int("LOCAL_RANK", 0))
     if device.type == "cuda":
@@ -56,8 +63,35 @@ def start_processes(device: torch.device) -> tuple[Processes, torch.device]:
         device = torch.device("cuda", processes.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=processes.rank, world_size=world_size)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=processes.rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_seconds) if timeout_seconds else None)
     return processes, device
+
+
+def refuse_srun_without_torchrun() -> None:
+    """SLURM's srun started several tasks of this command without torchrun (no WORLD_SIZE): each would run alone."""
+    tasks = _env_int("SLURM_STEP_NUM_TASKS", 1)
+    if tasks > 1:
+        raise ConfigError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) without torchrun: each would run alone on "
+                          f"all the data; start one task per node that runs torchrun: srun --ntasks-per-node=1 torchrun "
+                          f"--nnodes=$SLURM_NNODES --nproc-per-node=GPUS --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
+                          f"-m fastanchor ... (docs/distributed.md)")
+
+
+FAULT = "FASTANCHOR_TEST_FAULT"  # tests only: "kill:RANK:STEP" or "raise:RANK:STEP"
+
+
+def injected_fault(processes: Processes, step: int) -> None:
+    """Tests only: process RANK kills itself (SIGKILL) or raises a RuntimeError after global step STEP, as $FASTANCHOR_TEST_FAULT
+    says, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset), so a restarted run goes on."""
+    fault = os.environ.get(FAULT)
+    if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kind, rank, at = fault.split(":")
+    if processes.rank == int(rank) and step == int(at):
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault ({FAULT}) in process {rank} at step {step}")
 
 
 def stop_processes(processes: Processes) -> None:
@@ -87,6 +121,15 @@ def gather_to_main(processes: Processes, value) -> list | None:
         return [value]
     gathered = [None] * processes.world_size if processes.main else None
     dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def gather_everywhere(processes: Processes, value) -> list:
+    """[value of rank 0, value of rank 1, ...] on every rank (any picklable value; tensors on the CPU)."""
+    if not processes.several:
+        return [value]
+    gathered = [None] * processes.world_size
+    dist.all_gather_object(gathered, value)
     return gathered
 
 

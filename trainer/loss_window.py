@@ -58,6 +58,12 @@ class LossWindow:
     def state_dict(self) -> dict:
         return {"window": self.window.cpu(), "epoch": self.epoch.cpu(), "first_bad": self.first_bad.cpu()}
 
+    @staticmethod
+    def merged(states: list[dict]) -> dict:
+        """One state holding the sums of several processes' states (and their first non-finite step)."""
+        return {"window": sum(s["window"] for s in states), "epoch": sum(s["epoch"] for s in states),
+                "first_bad": torch.stack([s["first_bad"] for s in states]).min()}
+
     def load_state_dict(self, state: dict) -> None:
         self.window.copy_(state["window"])
         self.epoch.copy_(state["epoch"])

@@ -28,21 +28,22 @@ from fastanchor.progress import progress_bar, write
 from fastanchor.pipeline.references import FixedReferenceSet
 from fastanchor.trainer.build import Training, build_training, make_deterministic, resolve_device, seed_everything
 from fastanchor.trainer.checkpoint.file import checkpoint_name, remove_temporaries, set_aside_newer
-from fastanchor.trainer.config import Config
+from fastanchor.trainer.config import Config, config_from_dict, with_overrides
 from fastanchor.trainer.distributed import (
     Processes,
     all_reduce,
     broadcast_module_buffers,
+    injected_fault,
     on_main,
     start_processes,
     stop_processes,
 )
 from fastanchor.trainer.predict import predict
 from fastanchor.trainer.predict import topk_correct
-from fastanchor.trainer.checkpoint.resume import ResumePoint, check_same_processes, find_resume_point, restore_rng
+from fastanchor.trainer.checkpoint.resume import ResumePoint, find_resume_point, per_process_batch, restore_rng
 from fastanchor.trainer.checkpoint.run_folder import MetricsLog, RunFolder
 from fastanchor.trainer.schedule import training_resolution
-from fastanchor.trainer.checkpoint.state import Progress, TrainingState
+from fastanchor.trainer.checkpoint.state import Progress, TrainingState, process_state
 
 
 @torch.no_grad()
@@ -76,7 +77,7 @@ def train(config: Config, resume: str | None = None) -> Path:
     Under torchrun every process runs this on its shard of the data; only rank 0 writes files.
     """
     deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    processes, device = start_processes(resolve_device(config.train.device))
+    processes, device = start_processes(resolve_device(config.train.device), config.train.collective_timeout)
     try:
         return run_training(config, resume, processes, device)
     finally:  # leave the process as it was (train() also runs inside other programs and tests)
@@ -99,8 +100,11 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
 
     # --- where the run starts: from scratch, or exactly where a checkpoint left off -------------
     point = find_resume_point(config, resume)
+    built = config  # what the processes train with: data.batch_size shares a resumed run's global batch between them
     if point is not None:
-        check_same_processes(point, processes.world_size)
+        batch = per_process_batch(point, processes.world_size, config.data.loader)
+        if batch != config.data.batch_size:
+            built = with_overrides(config_from_dict(config.to_dict()), values={"data.batch_size": batch})
         if point.finished(epochs):
             if processes.main:
                 RunFolder(point.run_dir).link_final(point.path)
@@ -109,8 +113,9 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     folder = RunFolder(point.run_dir) if point else on_main(processes, lambda: RunFolder.for_new_run(config, resume == "auto"))
 
     # --- data, model, optimiser, schedule, anchoring stage, step: all from the config ------------
-    run = build_training(config, processes, device, point)
-    state = TrainingState(checkpoints=folder.checkpoints, config_dict=config.to_dict(), classes=run.classes,
+    run = build_training(built, processes, device, point)
+    state = TrainingState(global_batch=built.data.batch_size * processes.world_size,
+                          checkpoints=folder.checkpoints, config_dict=config.to_dict(), classes=run.classes,
                           train_step=run.step, scheduler=run.scheduler, stage=run.stage, losses=run.losses,
                           reference_images=run.references.images, steps_per_epoch=run.steps_per_epoch,
                           reference_origin=run.reference_origin,
@@ -119,10 +124,15 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     run.step.wrap(ddp=processes.several, compile=t.compile, device=device)
     if processes.main:  # only rank 0 writes
         prepare_run_folder(folder, config, run, point, at)
+        if point is not None and point.state["world_size"] != processes.world_size:
+            print(f"{processes.world_size} process(es) go on from {point.state['world_size']}: data.batch_size "
+                  f"{built.data.batch_size} each keeps the global batch of {state.global_batch}", flush=True)
     log = MetricsLog(folder, resumed_at=at.step if point else None, tensorboard=t.tensorboard, enabled=processes.main,
                      csv=t.csv, wandb=t.wandb, mlflow=t.mlflow, config=config.to_dict())
     if point is not None:
-        restore_rng(point.state["ranks"][processes.rank]["rng"], device)
+        rng = process_state(point.state["ranks"], processes.rank, processes.world_size).get("rng")
+        if rng is not None:  # (a process the checkpoint did not have keeps the run's seeds)
+            restore_rng(rng, device)
 
     shown_loss = float("nan")
     try:
@@ -201,6 +211,7 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
         else:  # train.nonfinite = skip
             at.skipped += 1
         run.scheduler.step()
+        injected_fault(processes, at.step)  # tests only: a process killed or failing here
         stats.seen += batch.labels.numel()
         stats.input_shape = list(batch.inputs.shape[1:])
         now = time.perf_counter()

@@ -35,6 +35,7 @@ class LoaderEntry:
     backend_may_lack_device: bool = False  # a RuntimeError on making it: its library cannot run on this device
     policy_note: str = ""  # what a refused augment.auto_augment is told (default: the policies it offers)
     knobs: dict = field(default_factory=dict)  # keywords its maker always gets (beyond the spec and the caller's)
+    reshards_mid_epoch: bool = False  # batch k of all processes together holds the same samples whatever their number
 
     def module(self):
         return importlib.import_module(self.maker.partition(":")[0])
@@ -49,7 +50,8 @@ class LoaderEntry:
 HERE = "fastanchor.pipeline.loaders."
 LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
     LoaderEntry("torchvision", HERE + "torchvision:from_spec",
-                "torch DataLoader over the ImageFolder, PIL decode in worker processes", "torchvision"),
+                "torch DataLoader over the ImageFolder, PIL decode in worker processes", "torchvision",
+                reshards_mid_epoch=True),
     LoaderEntry("ffcv", HERE + "ffcv:from_spec", "FFCV Loader over a .beton (numba threads decode)", "FFCV",
                 reads="beton", policy_note="FFCV's pipeline only crops and flips; use data.loader=torchvision or dali"),
     LoaderEntry("dali", HERE + "dali:DALILoader", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from fastanchor.errors import CheckpointError, ConfigError
+from fastanchor.pipeline.loaders.registry import LOADERS
 from fastanchor.trainer.checkpoint.file import latest_checkpoint, load_checkpoint
 from fastanchor.trainer.config import Config, config_from_dict, with_overrides
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 CHANGEABLE = (
     "train.epochs",  # extends (or shortens) the run: its learning-rate schedule is recomputed for the new length
-    "train.progress", "train.tensorboard", "train.csv", "train.wandb", "train.mlflow", "train.threads", "train.device", "train.log_interval", "train.checkpoint_interval",
+    "train.progress", "train.tensorboard", "train.csv", "train.wandb", "train.mlflow", "train.threads", "train.device", "train.collective_timeout", "train.log_interval", "train.checkpoint_interval",
     "train.keep_checkpoints", "train.out_dir", "train.run_name", "data.root", "data.cifar_dir", "data.workers",
     "data.eval_batch_size",
 )
@@ -136,9 +137,22 @@ def restore_rng(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def check_same_processes(point: ResumePoint, world_size: int) -> None:
-    """A run resumes with as many training processes as wrote its checkpoint (same data order, same global batch)."""
-    if point.state["world_size"] != world_size:
-        raise ConfigError(f"checkpoint '{point.path}' was written by {point.state['world_size']} training process(es), "
-                          f"this run has {world_size}: resume with the same number (torchrun --nproc_per_node) "
-                          f"so that the data order and the global batch stay the same")
+def per_process_batch(point: ResumePoint, world_size: int, loader: str) -> int:
+    """data.batch_size of each of `world_size` processes going on from `point`: the checkpoint's global batch
+    shared between them, so the learning rate, the schedule and each step's samples stay the run's. Another number
+    of processes than wrote the checkpoint re-shards the data: at an epoch's end with any loader; mid-epoch with a
+    loader whose global batches hold the same samples whatever the number of processes (the position in the epoch is
+    kept in samples)."""
+    written, total = point.state["world_size"], point.state["global_batch"]
+    if world_size == written:
+        return total // world_size
+    if total % world_size:
+        raise ConfigError(f"checkpoint '{point.path}' was written with a global batch of {total} images by {written} "
+                          f"process(es); {world_size} processes cannot share it evenly: expected a number of processes "
+                          f"(torchrun --nproc_per_node x nodes) that divides {total}")
+    if point.state["samples_in_epoch"] and not LOADERS[loader].reshards_mid_epoch:
+        raise ConfigError(f"checkpoint '{point.path}' was written mid-epoch by {written} process(es), this run has "
+                          f"{world_size}: data.loader = {loader!r} orders an epoch's samples by the number of processes; "
+                          f"resume from an end-of-epoch checkpoint (epoch_*.pt), with {written} processes, or with "
+                          f"data.loader=torchvision")
+    return total // world_size
