@@ -443,7 +443,11 @@ def evaluate_in_processes(path: Path, overrides, device: torch.device, progress:
     result["id"]["by_protocol"] = protocol_results(id_outputs, e.ece_bins)
     probe = anchored and e.shortcut_probe != "off"
     if probe:  # does the model use its reference? (evaluation/shortcut.py)
-        result["shortcut"] = {"validation": shortcut_probe(model, id_loader(), ev.references, seed=e.seed)}
+        draws = lambda number: batch_generator(e.seed, number)  # noqa: E731 (the one-reference protocol's draws)
+        id_batches = id_source()
+        if isinstance(id_batches, Dataset):  # the probe reads every batch on every process (rank 0's is written)
+            id_batches = loader_for(id_batches, d, device)
+        result["shortcut"] = {"validation": shortcut_probe(model, id_batches, ev.references, generator_for=draws)}
     if anchored:
         blt_note = {"id": "top1_blt and by_protocol.blt use bilinear transduction on the validation split only; ",
                     "all": "by_protocol.blt uses bilinear transduction, on every set; "}[e.blt_sets] if ev.blt else ""
@@ -465,7 +469,7 @@ def evaluate_in_processes(path: Path, overrides, device: torch.device, progress:
                                         "by_protocol": protocol_results(outputs, e.ece_bins, eval_set.class_subset)}
         if probe and e.shortcut_probe == "all":
             result["shortcut"][eval_set.name] = shortcut_probe(model, loader_for(eval_set.dataset, d, device), ev.references,
-                                                               seed=e.seed, class_subset=eval_set.class_subset)
+                                                               generator_for=draws, class_subset=eval_set.class_subset)
         group = eval_set.benchmark if eval_set.kind == "corruption" else eval_set.name  # corruptions pooled per benchmark
         reliability_groups.setdefault(group, []).append(
             confidences_and_outcomes(one.probs.double().numpy(), one.labels.numpy()))

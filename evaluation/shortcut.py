@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor
 from fastanchor.pipeline.references import FixedReferenceSet
 
 
 @torch.no_grad()
-def shortcut_probe(model: torch.nn.Module, loader, references: FixedReferenceSet, *, seed: int,
-                   dtype: torch.dtype = torch.float32, class_subset: tuple[int, ...] | None = None) -> dict:
+def shortcut_probe(model: torch.nn.Module, loader, references: FixedReferenceSet, *,
+                   generator_for: Callable[[int], torch.Generator], dtype: torch.dtype = torch.float32,
+                   class_subset: tuple[int, ...] | None = None) -> dict:
     """{'top1_anchored', 'top1_swapped', 'top1_masked', 'unchanged_by_swap', 'images'} (percentages) over one pass of
-    `loader` (uint8 images, labels); `class_subset`: logits restricted to those classes (ImageNet-R's 200)."""
-    generator = torch.Generator().manual_seed(seed)
+    `loader` (uint8 images, labels); batch k's references drawn with `generator_for(k)` (evaluate's batch_generator:
+    the one-reference protocol's draws); `class_subset`: logits restricted to those classes (ImageNet-R's 200)."""
     hits = {"anchored": 0, "swapped": 0, "masked": 0}
     unchanged = seen = 0
-    for images, labels in loader:
-        refs = references.references_for(images, generator)
+    for number, (images, labels) in enumerate(loader):
+        refs = references.references_for(images, generator_for(number))
         others = refs.roll(1, dims=0)
         labels = labels.to(images.device)
         keep = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)

@@ -34,14 +34,13 @@ def batches(seed=0, count=3, size=8):
 
 
 def float64_probe(model, loader, references, seed):
-    """The probe recomputed in float64 from its definition."""
-    g = torch.Generator().manual_seed(seed)
+    """The probe recomputed in float64 from its definition (batch k's references drawn with seed + k)."""
     mean = torch.tensor(IMAGENET_MEAN_255, dtype=torch.float64).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD_255, dtype=torch.float64).view(1, 3, 1, 1)
     model = model.double()
     hits, unchanged, seen = {"anchored": 0, "swapped": 0, "masked": 0}, 0, 0
-    for images, labels in loader:
-        r = references.references_for(images, g).double()
+    for number, (images, labels) in enumerate(loader):
+        r = references.references_for(images, torch.Generator().manual_seed(seed + number)).double()
         x = images.double()
         residual = (x - r) / std
         inputs = {"anchored": torch.cat([(r - mean) / std, residual], 1),
@@ -62,7 +61,7 @@ def test_the_probe_against_its_float64_definition(channels):
     references = FixedReferenceSet(torch.randint(0, 256, (5, 3, 8, 8), generator=torch.Generator().manual_seed(1),
                                                  dtype=torch.uint8))
     model = HalfReader(channels)
-    probe = shortcut_probe(model, loader, references, seed=3)
+    probe = shortcut_probe(model, loader, references, generator_for=lambda number: torch.Generator().manual_seed(3 + number))
     expected = float64_probe(model, loader, references, seed=3)
     assert probe["images"] == 24
     for key, value in expected.items():
@@ -73,9 +72,10 @@ def test_the_probe_against_its_float64_definition(channels):
 
 
 def test_eval_json_holds_the_probe_of_a_trained_model(tiny_dataset, tmp_path):
-    """ID and every shift set; its anchored top-1 is the one-reference protocol's (the same seeded draws)."""
+    """ID and every shift set; its anchored top-1 is the one-reference protocol's (the same seeded draws, batch by
+    batch: three batches here)."""
     assert run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "a"})).returncode == 0
-    sets = ["--set", "eval.max_images=12", "--set", "eval.corruptions=[gaussian_noise]", "--set", "eval.corruptions_bar=[]",
+    sets = ["--set", "eval.max_images=12", "--set", "data.eval_batch_size=5", "--set", "eval.corruptions=[gaussian_noise]", "--set", "eval.corruptions_bar=[]",
             "--set", "eval.severities=[3]", "--set", "eval.blt=false", "--set", "eval.shortcut_probe=all"]
     result = run_main("evaluate", "--checkpoint", tmp_path / "a" / "final.pt", "--json", *sets)
     assert result.returncode == 0, result.stderr
