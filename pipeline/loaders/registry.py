@@ -28,7 +28,8 @@ class LoaderEntry:
     description: str  # one line, in the benchmarks' results
     library: str  # what must be importable to make it (named where it is not)
     reads: str = "files"  # "files": an ImageFolder index; "beton": a .beton written from it
-    decodes: str = "cpu"  # where JPEGs are decoded: "cpu" (worker processes or threads) or "device" (the batches' device)
+    decodes: str = "cpu"  # where JPEGs are decoded: "cpu" (worker processes or threads), "device" (the batches' device)
+    #                       or "once" (the whole split once, on the CPU, cached: not per epoch)
     trains: bool = True  # data.loader may name it: it keeps the whole Loader protocol (spec.py)
     cuda_only: bool = False  # it runs on CUDA devices only
     backend_may_lack_device: bool = False  # a RuntimeError on making it: its library cannot run on this device
@@ -53,6 +54,9 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
                 reads="beton", policy_note="FFCV's pipeline only crops and flips; use data.loader=torchvision or dali"),
     LoaderEntry("dali", HERE + "dali:DALILoader", "DALI readers.file + decoders.image (mixed on CUDA, CPU otherwise)",
                 "DALI", decodes="device", backend_may_lack_device=True),
+    LoaderEntry("memory", HERE + "memory:MemoryLoader",
+                "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there", "torch",
+                decodes="once", policy_note="the memory loader crops and flips only; use data.loader=torchvision or dali"),
     LoaderEntry("nvjpeg", HERE + "nvjpeg:NvjpegLoader",
                 "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)", "torchvision",
                 decodes="device", trains=False, cuda_only=True),
