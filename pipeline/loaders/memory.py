@@ -324,21 +324,20 @@ class MemoryLoader:
         return self.iter_from(0)
 
     def iter_from(self, first_batch: int):
-        """The current epoch's batches from batch `first_batch` on (the earlier ones are not made)."""
-        chosen = self.shard()
-        crops, flips = self.augmentation() if self.spec.train else (None, None)
+        """The current epoch's batches from batch `first_batch` on (the earlier ones are not made). The epoch's order
+        and draws go to the device once, so a batch is made there without a copy from the host."""
+        chosen = self.shard().to(self.device)
+        crops, flips = (draws.to(self.device) for draws in self.augmentation()) if self.spec.train else (None, None)
         size = self.spec.batch_size
         for start in range(first_batch * size, len(self) * size, size):
-            picked = chosen[start:start + size]
-            yield self.batch(picked, crops, flips)
+            yield self.batch(chosen[start:start + size], crops, flips)
 
     def batch(self, picked: torch.Tensor, crops: torch.Tensor | None, flips: torch.Tensor | None):
-        on_device = picked.to(self.device)
-        images = self.images[on_device]
+        images = self.images[picked]
         if crops is not None:
-            crop, flip = crops[picked].to(self.device), flips[picked].to(self.device)
+            crop, flip = crops[picked], flips[picked]
             if self.spec.crop == "padded":
                 images = padded_crops(images, crop[:, 0], crop[:, 1], flip, self.image_size, self.spec.padding)
             else:
                 images = resized_crops(images, crop, flip, self.image_size)
-        return images.permute(0, 3, 1, 2), self.labels[on_device]
+        return images.permute(0, 3, 1, 2), self.labels[picked]
