@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
-from conftest import run_main, tiny_overrides
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.datasets.imagefolder import load_rgb, scan_image_folder
 from fastanchor.pipeline.loaders import memory, registry

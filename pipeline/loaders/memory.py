@@ -12,8 +12,9 @@ are indexed by sample, so a sample's augmentation is the same on any device, in 
 is the torchvision loader's (same permutation of the same index). `padded` crops (CIFAR's: zero padding, random
 window) are a gather of the held pixels and come out exactly as torchvision's RandomCrop + flip makes them at the
 same offsets; `random_resized` crops draw Inception boxes as torchvision does and resize them with the antialiased
-bilinear filter torch and PIL define, within a grey level or two of the torchvision loader's PIL resize. Evaluation batches: resize (the shorter side to image_size / crop_ratio, the same
-filter; nothing where the images already have that size) and centre crop, done once; the index's order.
+bilinear filter torch and PIL define, within a grey level of the torchvision loader's PIL resize. Evaluation batches:
+resized (the shorter side to image_size / crop_ratio, the same filter; nothing where the images have that size
+already) and centre-cropped once; the index's order.
 """
 
 from __future__ import annotations
