@@ -276,7 +276,7 @@ def make_loader(name: str, request: LoaderRequest):
 
 
 def decodes_on_cpu(entry: registry.LoaderEntry, device: torch.device) -> bool:
-    return entry.decodes == "cpu" or device.type == "cpu"
+    return entry.decodes == "cpu" or (entry.decodes == "device" and device.type == "cpu")
 
 
 def loader_case(entry: registry.LoaderEntry, request: LoaderRequest, warmup_batches: int) -> Case:
@@ -286,7 +286,8 @@ def loader_case(entry: registry.LoaderEntry, request: LoaderRequest, warmup_batc
         return not_available(entry.name, UNIT, str(reason), description=entry.description)
     on_cpu = decodes_on_cpu(entry, request.device)
     return Case(entry.name, UNIT, lambda: time_epoch(loader, warmup_batches, lambda batch: batch[0].shape[0], request.device),
-                info={"description": entry.description, "decodes": "cpu" if on_cpu else "device", "source": entry.reads,
+                info={"description": entry.description, "source": entry.reads,
+                      "decodes": "once" if entry.decodes == "once" else "cpu" if on_cpu else "device",
                       "batches_per_epoch": len(loader)})
 
 

@@ -47,6 +47,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastanchor.pipeline.loaders.registry import LOADERS
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository root is the `fastanchor` package
 PACKAGE = "fastanchor"
 LAYERS = ("root", "options", "kernels", "pipeline", "trainer", "evaluation", "benchmarks", "reproduce", "cli")
@@ -274,10 +276,8 @@ def test_model_rooms_stay_apart():
         "\n".join(problems)
 
 
-LOADER_FILES = ("fastanchor.pipeline.loaders.torchvision", "fastanchor.pipeline.loaders.ffcv",
-                "fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.nvjpeg",
-                "fastanchor.pipeline.loaders.wds")  # one loader each: what they share lives in loaders/spec.py
-# (and what the torch DataLoader loaders share, transforms and per-sample seeding, in loaders/transforms.py)
+# one loader each, the registry's makers' modules: what they share lives in loaders/spec.py
+LOADER_FILES = tuple(sorted({entry.maker.partition(":")[0] for entry in LOADERS.values()}))
 
 
 def imports_between_loaders(imports: list[Import]) -> list[str]:
@@ -286,7 +286,7 @@ def imports_between_loaders(imports: list[Import]) -> list[str]:
 
 
 def test_loader_files_import_nothing_from_each_other():
-    """pipeline/loaders/: one file per loader (torchvision, FFCV, DALI, nvJPEG, WebDataset), none importing another; the registry
+    """pipeline/loaders/: one file per loader (torchvision, FFCV, DALI, memory, nvJPEG, WebDataset), none importing another; the registry
     names each by its module (imported when a loader is made)."""
     assert imports_between_loaders([Import("fastanchor.pipeline.loaders.dali", "fastanchor.pipeline.loaders.torchvision",
                                            7, False)]) == [

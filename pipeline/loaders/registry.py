@@ -29,7 +29,8 @@ class LoaderEntry:
     description: str  # one line, in the benchmarks' results
     library: str  # what must be importable to make it (named where it is not)
     reads: str = "files"  # "files": an ImageFolder index; "beton": a .beton written from it; "wds": its tar shards
-    decodes: str = "cpu"  # where JPEGs are decoded: "cpu" (worker processes or threads) or "device" (the batches' device)
+    decodes: str = "cpu"  # where JPEGs are decoded: "cpu" (worker processes or threads), "device" (the batches' device)
+    #                       or "once" (the whole split once, on the CPU, cached: not per epoch)
     trains: bool = True  # data.loader may name it: it keeps the whole Loader protocol (spec.py)
     cuda_only: bool = False  # it runs on CUDA devices only
     backend_may_lack_device: bool = False  # a RuntimeError on making it: its library cannot run on this device
@@ -59,6 +60,9 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
     LoaderEntry("webdataset", HERE + "wds:ShardLoader",
                 "torch DataLoader over WebDataset tar shards (a folder or fsspec URL), PIL decode in worker processes",
                 "webdataset", reads="wds"),
+    LoaderEntry("memory", HERE + "memory:MemoryLoader",
+                "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there", "torch",
+                decodes="once", policy_note="the memory loader crops and flips only; use data.loader=torchvision or dali"),
     LoaderEntry("nvjpeg", HERE + "nvjpeg:NvjpegLoader",
                 "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)", "torchvision",
                 decodes="device", trains=False, cuda_only=True),
