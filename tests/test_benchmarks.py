@@ -278,10 +278,10 @@ def test_step_benchmark(results):
 
 def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
     """--profile-steps: one torch.profiler table per case, the stage and the step as ranges; only the anchored cases
-    run the anchoring op, and the process's cuDNN setting is what it was (--cudnn-benchmark is the run's alone)."""
+    run the anchoring op, and the process's cuDNN setting is what it was (train.cudnn_benchmark is the run's alone)."""
     before = torch.backends.cudnn.benchmark
     bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--set", "data.batch_size=4", "--steps", 1,
-          "--num-classes", 4, "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
+          "--num-classes", 4, "--profile-steps", 2, "--set", "train.cudnn_benchmark=true", "--out", tmp_path)
     assert torch.backends.cudnn.benchmark == before
     tables = {kind: (tmp_path / f"step-cpu-profile-fastanchor_resnet_tiny-16-{kind}.txt").read_text()
               for kind in ("standard", "anchored", "anchored-masked")}
@@ -294,13 +294,13 @@ def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
 
 
 def test_step_benchmark_compile_steps_through_the_compiled_model():
-    """`bench step --compile` hands the step a torch.compile wrapper; the step once asked it for its truth value,
+    """`bench step --set train.compile=model` hands the step a torch.compile wrapper; the step once asked it for its truth value,
     which a compiled model without len() refuses (TypeError), so --compile never ran. Building is enough here
     (compiling happens at the first call)."""
     from fastanchor.benchmarks.train_step import TrainingSetup
     from fastanchor.trainer.config import load_config
 
-    config = load_config(None, ["data.image_size=16", "train.amp=off", "train.channels_last=false", "train.compile=true"])
+    config = load_config(None, ["data.image_size=16", "train.amp=off", "train.channels_last=false", "train.compile=model"])
     setup = TrainingSetup(config, anchored=True, device=torch.device("cpu"), num_classes=4)
     assert isinstance(setup.step.forward, torch._dynamo.eval_frame.OptimizedModule)
     assert setup.step.forward._orig_mod is setup.step.model

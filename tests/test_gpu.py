@@ -146,7 +146,7 @@ def train(data, out, **settings):
     ("ffcv", False, {"anchor.references": "bank", "anchor.bank_size": 16}),
 ])
 def test_anchored_training_steps_under_bf16_and_channels_last(tiny_dataset, tmp_path, loader, compiled, extra):
-    run = train(tiny_dataset, tmp_path, **{"data.loader": loader, "train.compile": str(compiled).lower(),
+    run = train(tiny_dataset, tmp_path, **{"data.loader": loader, "train.compile": "model" if compiled else "off",
                                            "train.run_name": "run", **extra})
     records = read_jsonl(run / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
