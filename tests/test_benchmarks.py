@@ -326,16 +326,27 @@ def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path
 
 
 def test_end_to_end_benchmark(tiny_dataset, results):
+    """A repetition is --batches timed batches with the loader's epochs following each other: 16 images in batches
+    of 4 are epochs of 4 batches, so batches 1-6 (after one untimed) hold the start of epoch 1; each ratio comes
+    with its per-round median, quartiles, min and max, in the record and in the printed table."""
     result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
                    "--workers", 0, "--set", "model.name=fastanchor_resnet_tiny", "--set", "data.image_size=16",
-                   "--set", "data.batch_size=4", "--warmup-batches", 1, "--out", results, "--tag", "tiny",
+                   "--set", "data.batch_size=4", "--warmup-batches", 1, "--batches", 6, "--out", results, "--tag", "tiny",
                    "--profile-batches", 2)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
     for kind in ("standard", "anchored", "naive"):
-        assert [r["items"] for r in found[f"{label} {kind}"]["repetitions"]] == [12, 12]
+        assert [r["items"] for r in found[f"{label} {kind}"]["repetitions"]] == [24, 24]  # 6 batches of 4, not an epoch
+        assert found[f"{label} {kind}"]["epoch_boundaries_timed"] == 1
         check_recorded(found[f"{label} {kind}"])
+    assert result["config"]["timing"] == {"timed_batches": 6, "batches_per_epoch": 4, "epoch_boundaries_timed": 1}
     assert set(derived(result)) == {f"{label}: anchored/standard", f"{label}: naive/standard", f"{label}: anchored/naive"}
+    ratio = derived(result)[f"{label}: anchored/standard"]
+    rounds = sorted(ratio["per_round"])
+    assert len(rounds) == 2 and ratio["per_round_q1"] == pytest.approx(rounds[0] + (rounds[1] - rounds[0]) / 4)
+    assert ratio["per_round_iqr"] == pytest.approx((rounds[1] - rounds[0]) / 2)
+    table = (results / "e2e-cpu-tiny.md").read_text()
+    assert "| derived | value | per-round median | per-round IQR | per-round min-max | meaning |" in table
     assert (results / "e2e-cpu-tiny.json").exists()
     profile = (results / "e2e-cpu-tiny-profile.txt").read_text()  # where an anchored batch's time goes
     assert all(f"e2e: {part}" in profile for part in ("loader (wait for the next batch)", "anchoring stage", "training step"))
