@@ -140,7 +140,7 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--set", "data.batch_size=4",
                    "--set", "data.image_size=32", "--workers", 2, "--warmup-batches", 1,
-                   "--loaders", "ffcv,torchvision,dali,nvjpeg,nvjpeg-pipelined", "--ffcv-cache", tmp_path, "--out", results)
+                   "--loaders", "ffcv,torchvision,dali,nvjpeg,nvjpeg-per-image", "--ffcv-cache", tmp_path, "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
     assert "torch" in result["environment"]["libraries"] and result["config"]["dataset"]["images"] == 32
@@ -151,7 +151,7 @@ def test_loader_benchmark(tiny_dataset, results, tmp_path):
                  "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
     assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
-    assert found["nvjpeg-pipelined"]["status"] == "not available" and "CUDA" in found["nvjpeg-pipelined"]["reason"]
+    assert found["nvjpeg-per-image"]["status"] == "not available" and "CUDA" in found["nvjpeg-per-image"]["reason"]
     assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
     # every epoch: 8 batches of 4, one untimed -> 28 images per repetition
     assert [r["items"] for r in found["ffcv"]["repetitions"]] == [28, 28]

@@ -39,13 +39,14 @@ def test_a_bad_setting_is_one_line_naming_it(bad, named):
     LoaderSpec(**{**GOOD, "rank": 1, "world_size": 2, "crop": "padded", "crop_ratio": 1.0, "min_scale": 1.0})
 
 
-def test_the_registry_names_the_loaders_training_selects_three_of_them_and_others_are_refused(tiny_dataset):
-    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "nvjpeg", "nvjpeg-pipelined"]
-    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali"]  # the nvJPEG loaders: benchmarks only
+def test_the_registry_names_the_loaders_training_selects_four_of_them_and_others_are_refused(tiny_dataset):
+    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "nvjpeg", "nvjpeg-per-image"]
+    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "nvjpeg"]  # the per-image path: benchmarks
     with pytest.raises(ConfigError, match="loader 'webdataset': expected one of torchvision, ffcv, dali, nvjpeg, "):
         registry.make("webdataset", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
-    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg': expected one of torchvision, ffcv, dali$"):
-        load_config(None, ["data.loader=nvjpeg"])
+    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg-per-image': expected one of torchvision, ffcv, dali, nvjpeg$"):
+        load_config(None, ["data.loader=nvjpeg-per-image"])
+    assert load_config(None, ["data.loader=nvjpeg"]).data.loader == "nvjpeg"  # the config is the machine's business
     with pytest.raises(ConfigError, match="augment.auto_augment = 'randaugment' is not supported by data.loader = 'ffcv'"):
         registry.check_loader_supports("ffcv", "randaugment")
     registry.check_loader_supports("dali", "randaugment")  # what a loader's module declares it can do (POLICIES)
