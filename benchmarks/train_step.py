@@ -213,7 +213,6 @@ def measure_steps(options: StepOptions, command: str):
         cases += more_cases
         derived += more_derived
         profiles += more_profiles
-    train = chosen.config.train
     notes = [f"synthetic uint8 batches on the device, batch {chosen.config.data.batch_size}, {chosen.steps} steps per "
              f"repetition; {step_settings(chosen.config)}; built by trainer/build.py (build_model, make_optimizer, "
              f"make_step, make_stage) from {'the recipe' if options.recipe else 'the default config'}, "

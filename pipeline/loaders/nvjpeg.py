@@ -39,7 +39,7 @@ from fastanchor.errors import ConfigError
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, IndexedFiles
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
-from fastanchor.pipeline.loaders.torchvision import EpochSampler
+from fastanchor.pipeline.loaders.order import EpochSampler
 from fastanchor.pipeline.references import to_device_async
 
 try:  # TorchCodec (torchcodec >= 0.16) supersedes torchvision's image decoders, deprecated since torchvision 0.29
