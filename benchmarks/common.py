@@ -31,6 +31,7 @@ def run_settings(config) -> dict:
     and the whole validated Config as it ran."""
     train = config.train
     return {"amp": train.amp, "channels_last": train.channels_last, "compile": train.compile,
+            "compile_backend": train.compile_backend,
             "cudnn_benchmark": train.cudnn_benchmark, "stem_channels": config.model.stem_channels,
             "anchor_kernel": config.anchor.kernel, "trainer_config": config.to_dict()}
 

@@ -57,7 +57,8 @@ def cudnn_autotuning(on: bool):
 def step_settings(config: Config) -> str:
     """The step's settings a reader compares results by, in one phrase (the result's config holds them all)."""
     t, m, a = config.train, config.model, config.anchor
-    return (f"amp {t.amp}, channels-last {t.channels_last}, compile {t.compile}, cuDNN autotuning "
+    compiled = f"compile {t.compile}" + (f" ({t.compile_backend})" if t.compile != "off" else "")
+    return (f"amp {t.amp}, channels-last {t.channels_last}, {compiled}, cuDNN autotuning "
             f"{'on' if t.cudnn_benchmark else 'off'}, stem {m.stem_channels or 'unpadded'}, anchoring op {a.kernel}")
 
 
@@ -81,7 +82,8 @@ class TrainingSetup:
         self.anchored = anchored
         model = build_model(self.config, num_classes, device).train()
         self.step = make_step(self.config, model, make_optimizer(model, self.config), device,
-                              forward=torch.compile(model) if self.config.train.compile == "model" else None)
+                              forward=torch.compile(model, backend=self.config.train.compile_backend)
+                              if self.config.train.compile == "model" else None)
         self.input_dtype = self.step.autocast_dtype or torch.float32
 
     def stage(self, alpha: float, seed: int, batch: torch.Tensor | None = None) -> AnchoringStage:

@@ -15,9 +15,9 @@
 # with every setting aimed at 7,000 img/s ("fast": train.compile=step, model.stem_channels=8, anchor.kernel=triton:cl,
 # train.cudnn_benchmark=true); the step with those settings, and with CUDA graphs (train.compile=step-cudagraphs);
 # end to end with FFCV; the step eager and with the padded stem alone; the op's kernel variants; the loaders on all
-# cores. The rehearsal runs the compiled stages' code without compiling it (TORCH_COMPILE_DISABLE=1: compiling is
-# tests/test_step_options.py's, a minute a model on the CPU), CUDA graphs as the compiled step, the op by name as
-# the torch path and the nvJPEG stages with the torchvision loader: what needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages file,
+# cores. The rehearsal traces the compiled stages' one graph without generating code (train.compile_backend=eager:
+# inductor's code is tests/test_step_options.py's, a minute a model on the CPU), CUDA graphs as the compiled step, the
+# op by name as the torch path and the nvJPEG stages with the torchvision loader: what needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages file,
 # results/gpu/stages-*.txt) are held against what is left: a stage that would not finish is skipped and says so,
 # and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit status,
 # seconds, or why it was skipped); OUTDIR/window.tar.gz holds everything so far and is rewritten after each stage,
@@ -134,7 +134,7 @@ if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, 
     step_run=(--set data.batch_size=256 --models resnet50@176) op_shape=(--batch-size 256 --image-size 176)
     loader_shape=(--set data.batch_size=256 --set data.image_size=176) tests=(tests/test_gpu.py tests/test_anchor_triton.py
         tests/test_reference_bank.py tests/test_pseudo_ood.py tests/test_nvjpeg_loader.py -k "not compiled_step")
-    nvjpeg=nvjpeg kernel=triton:cl cudagraphs=step-cudagraphs timed=(--batches 100) compiling=()
+    nvjpeg=nvjpeg kernel=triton:cl cudagraphs=step-cudagraphs timed=(--batches 100) backend=inductor
     op_paths=(--paths triton,triton:strided,triton:cl,triton:cl-small,triton:cl-big,triton:cl-rcp,torch)
     loaders=torchvision,ffcv,nvjpeg,nvjpeg-per-image
 else  # the rehearsal: the same stages, tiny
@@ -142,12 +142,13 @@ else  # the rehearsal: the same stages, tiny
     run=(--set model.name=fastanchor_resnet_tiny --set data.image_size=32 --set data.batch_size=8)
     step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2) op_shape=(--batch-size 8 --image-size 32)
     loader_shape=(--set data.batch_size=8 --set data.image_size=32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
-    nvjpeg=torchvision kernel=torch cudagraphs=step timed=(--batches 6) compiling=(env TORCH_COMPILE_DISABLE=1)
+    nvjpeg=torchvision kernel=torch cudagraphs=step timed=(--batches 6) backend=eager
     op_paths=(--paths torch,numba) loaders=torchvision,ffcv
 fi
 # the settings aimed at 7,000 img/s, both arms alike: the whole step compiled, the stem padded to 8 channels, the op's
 # channels-last kernel, cuDNN autotuning
-fast=(--set train.compile=step --set model.stem_channels=8 --set anchor.kernel="$kernel" --set train.cudnn_benchmark=true)
+fast=(--set train.compile=step --set train.compile_backend="$backend" --set model.stem_channels=8
+      --set anchor.kernel="$kernel" --set train.cudnn_benchmark=true)
 
 # the JPEGs are written on the CPUs while the GPU runs its tests
 "${fa[@]}" bench data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress >"$raw/data.log" 2>&1 &
@@ -157,10 +158,10 @@ stage gpu-tests "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -q --tb=sh
 wait "$writing" || echo "== writing the JPEGs failed: $raw/data.log"
 e2e=("${fa[@]}" bench e2e "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" "${timed[@]}" "${run[@]}")
 stage e2e-nvjpeg "${e2e[@]}" --loader "$nvjpeg" --no-naive --tag window-nvjpeg
-stage e2e-fast "${compiling[@]}" "${e2e[@]}" --loader "$nvjpeg" --no-naive "${fast[@]}" --tag window-fast
-stage step-fast "${compiling[@]}" "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
+stage e2e-fast "${e2e[@]}" --loader "$nvjpeg" --no-naive "${fast[@]}" --tag window-fast
+stage step-fast "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
     --tag window-fast
-stage step-cudagraphs "${compiling[@]}" "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
+stage step-cudagraphs "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
     --set train.compile="$cudagraphs" --tag window-cudagraphs
 stage e2e-ffcv "${e2e[@]}" --loader ffcv --tag window-ffcv
 stage step "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --tag window-eager

@@ -179,9 +179,9 @@ def test_the_whole_step_compiles_as_one_graph_and_trains_as_the_eager_step():
     weight decay, gradient clipping and an EMA copy: fullgraph=True (a graph break would raise), the losses, weights,
     statistics, EMA and the optimiser's state (what a checkpoint saves) those of the eager step."""
     (eager, eager_stage, eager_model, eager_optimizer), (compiled, stage, model, optimizer) = compiled_and_eager(
-        "fastanchor_resnet_tiny", 32, "anchor.alpha=0.5", "train.seed=1", "optim.grad_clip=1.0", "optim.ema_decay=0.9")
+        "fastanchor_resnet_tiny", 32, "anchor.alpha=0.5", "train.seed=1", "optim.grad_clip=1.0", "optim.ema_decay=0.9",
+        "train.compile_backend=aot_eager")  # the same one graph, forward and backward traced, no code generated
     assert isinstance(compiled, CompiledTrainStep) and not isinstance(eager, CompiledTrainStep)
-    compiled.compile_with("aot_eager")  # the same one graph, forward and backward traced, no code generated
     masked = []
     for images, labels in batches(3, 32):
         expected, eager_batch = eager.on(eager_stage, images, labels)
@@ -205,8 +205,8 @@ def test_the_whole_step_compiles_as_one_graph_and_trains_as_the_eager_step():
 def test_resnet50s_whole_step_traces_as_one_graph():
     """ResNet-50 at a tiny size: torch.compile with fullgraph=True takes the whole step (Dynamo's trace, run as it
     traced it), and one step gives the eager step's loss and weights."""
-    (eager, eager_stage, eager_model, _), (compiled, stage, model, _) = compiled_and_eager("resnet50", 32)
-    compiled.compile_with("eager")
+    (eager, eager_stage, eager_model, _), (compiled, stage, model, _) = compiled_and_eager(
+        "resnet50", 32, "train.compile_backend=eager")
     images, labels = next(batches(1, 32))
     expected, _ = eager.on(eager_stage, images, labels)
     loss, _ = compiled.on(stage, images, labels)

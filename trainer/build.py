@@ -465,7 +465,7 @@ def make_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Opt
         check_compiled_step(t.compile, device, amp_dtype(t.amp, device), processes)
     return (CompiledTrainStep if compiled else TrainStep)(
         model, optimizer, device=device, autocast_dtype=amp_dtype(t.amp, device), forward=forward,
-        **({"cudagraphs": t.compile == "step-cudagraphs"} if compiled else {}),
+        **({"cudagraphs": t.compile == "step-cudagraphs", "backend": t.compile_backend} if compiled else {}),
         mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob,
                          seed=augment_seed(t.seed, processes.rank if processes else 0)),
         grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,

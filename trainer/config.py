@@ -145,6 +145,7 @@ class TrainConfig:
     amp: str = option("auto", "mixed precision: auto (bf16 on CUDA where supported, else fp16; off on CPU), bf16, fp16, off", choices=("auto", "bf16", "fp16", "off"))
     channels_last: bool = option(True, "channels-last memory layout for the model and its input")
     compile: str = option("off", "torch.compile: off, model (the network), step (the whole step, one graph), step-cudagraphs (CUDA)", choices=COMPILE_MODES)
+    compile_backend: str = option("inductor", "torch.compile backend: inductor (generates kernels); eager, aot_eager trace only", choices=("inductor", "aot_eager", "eager"))
     cudnn_benchmark: bool = option(False, "cuDNN autotuning of convolution algorithms per input shape (torch.backends.cudnn.benchmark)")
     seed: int = option(0, "seed of weights, data order, augmentation, references and masking")
     threads: int = option(0, "torch CPU threads (0 keeps torch's default)")

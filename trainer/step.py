@@ -58,13 +58,13 @@ class TrainStep:
         batch = stage.process(images, labels)
         return self(batch), batch
 
-    def wrap(self, *, ddp: bool, compile: bool, device: torch.device) -> None:
-        """Call the model through DistributedDataParallel (several processes) and/or torch.compile."""
+    def wrap(self, *, ddp: bool, compile: bool, device: torch.device, backend: str = "inductor") -> None:
+        """Call the model through DistributedDataParallel (several processes) and/or torch.compile (with `backend`)."""
         if ddp:
             self.forward = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if compile:
-            self.forward = torch.compile(self.forward)
+            self.forward = torch.compile(self.forward, backend=backend)
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -104,22 +104,23 @@ class CompiledTrainStep(TrainStep):
     `fullgraph=True` (`cudagraphs`: replayed as CUDA graphs). Takes what `trainer/config.py`'s
     `compiled_step_limits` lets through: SGD, bf16 or no autocast, no mixing, no skipped steps, one process."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.SGD, *, cudagraphs: bool = False, **settings):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.SGD, *, cudagraphs: bool = False,
+                 backend: str = "inductor", **settings):
         super().__init__(model, optimizer, **settings)
         if not isinstance(optimizer, torch.optim.SGD) or self.scaler.is_enabled() or self.mixer.enabled \
                 or self.skip_nonfinite:
             raise ValueError("a compiled step takes SGD, no fp16 scaler, no mixing and no skipped steps")
         self.cudagraphs = cudagraphs
-        self.compile_with("inductor")
+        self.compile_with(backend)
         self.lrs: list[torch.Tensor] | None = None  # each group's rate as a device scalar: a new rate is no new graph
 
     def compile_with(self, backend: str) -> None:
-        """Compile the step with torch.compile's `backend` (inductor; the tests' aot_eager traces the same one
-        graph, forward and backward, without generating code)."""
+        """Compile the step with torch.compile's `backend` (train.compile_backend: inductor; aot_eager traces the same
+        one graph, forward and backward, without generating code; eager runs Dynamo's trace as it is)."""
         self.compiled = torch.compile(self._fused, fullgraph=True, backend=backend,
                                       mode="reduce-overhead" if self.cudagraphs else None)
 
-    def wrap(self, *, ddp: bool, compile: bool, device: torch.device) -> None:
+    def wrap(self, *, ddp: bool, compile: bool, device: torch.device, backend: str = "inductor") -> None:
         if ddp or compile:
             raise ValueError("a compiled step runs in one process and compiles itself")
 

@@ -120,7 +120,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                           processes=processes, device=device, keep=t.keep_checkpoints, last_good=point.path if point else None)
     at = state.restore(point.state) if point else Progress()
     if t.compile not in ("step", "step-cudagraphs"):  # a compiled step compiles itself
-        run.step.wrap(ddp=processes.several, compile=t.compile == "model", device=device)
+        run.step.wrap(ddp=processes.several, compile=t.compile == "model", device=device, backend=t.compile_backend)
     if processes.main:  # only rank 0 writes
         prepare_run_folder(folder, config, run, point, at)
     log = MetricsLog(folder, resumed_at=at.step if point else None, tensorboard=t.tensorboard, enabled=processes.main,
