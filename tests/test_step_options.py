@@ -151,6 +151,9 @@ def test_cuda_graphs_on_the_cpu_are_one_line(tiny_dataset, tmp_path):
                                                                               "optim.name": "sgd"}))
     assert outcome.returncode != 0
     assert "train.compile = 'step-cudagraphs' needs a CUDA device (here: cpu)" in outcome.stderr.strip().splitlines()[-1]
+    with pytest.raises(ConfigError, match="train.compile = 'step-cudagraphs' replays inductor's code as CUDA graphs: "
+                                          "train.compile_backend = 'eager' expected inductor"):
+        load_config(None, ["train.compile=step-cudagraphs", "train.compile_backend=eager", "optim.name=sgd"])
 
 
 def compiled_and_eager(model: str, size: int, *settings: str):

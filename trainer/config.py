@@ -474,6 +474,8 @@ def compiled_step_limits(config: Config):
     yield (g.mixup_alpha == 0 and g.cutmix_alpha == 0,
            "takes no Mixup/CutMix (augment.mixup_alpha, augment.cutmix_alpha: 0): their draws happen on the host")
     yield not t.sync_bn, "takes no train.sync_bn: one process"
+    yield (t.compile != "step-cudagraphs" or t.compile_backend == "inductor",
+           f"replays inductor's code as CUDA graphs: train.compile_backend = {t.compile_backend!r} expected inductor")
 
 
 def _agreement_checks(config: Config):
