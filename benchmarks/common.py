@@ -26,11 +26,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run_settings(config) -> dict:
-    """What a result records of the training configuration it measured: train.amp, train.channels_last and
-    train.compile at the top (where the readers look), and the whole validated Config as it ran."""
+    """What a result records of the training configuration it measured: train.amp, train.channels_last,
+    train.compile, train.cudnn_benchmark, model.stem_channels and anchor.kernel at the top (where the readers look),
+    and the whole validated Config as it ran."""
     train = config.train
     return {"amp": train.amp, "channels_last": train.channels_last, "compile": train.compile,
-            "trainer_config": config.to_dict()}
+            "compile_backend": train.compile_backend,
+            "cudnn_benchmark": train.cudnn_benchmark, "stem_channels": config.model.stem_channels,
+            "anchor_kernel": config.anchor.kernel, "trainer_config": config.to_dict()}
 
 
 def run_and_write(benchmark: str, options: CommonOptions, *, cases: list[Case], derived: list[Derived],

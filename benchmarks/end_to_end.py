@@ -5,9 +5,12 @@
     naive      loader + a second loader decoding the references as their own image stream -> the same op
                on (image, reference) pairs -> 6-channel step: what anchoring costs without on-device pairing
 
-One repetition is one epoch of the same images; the first `warmup_batches` of every epoch are not
-timed; the three run interleaved. Ratios: anchored/standard (the cost of anchoring as fastanchor
-does it) and anchored/naive (what on-device pairing saves).
+One repetition is `--batches` timed batches (100 on CUDA) after `warmup_batches` untimed ones, the loader's epochs
+following each other as in training (set_epoch 0, 1, ...): with an epoch shorter than the repetition (a small
+--images on purpose) the timing holds the loader's epoch boundaries, its drain and restart, as training pays them.
+Every repetition starts again at epoch 0, so every case and round sees the same batches; the three cases run
+interleaved. Ratios: anchored/standard (the cost of anchoring as fastanchor does it) and anchored/naive (what
+on-device pairing saves), each with its per-round spread (median, IQR, min, max).
 
 The loader comes from the pipeline's registry with trainer/build.py's LoaderSpec (benchmarks/loaders.py), the model,
 optimiser, step and stage from trainer/build.py's functions (benchmarks/train_step.py's TrainingSetup), both from
@@ -17,6 +20,7 @@ the one validated Config of `--config` and `--set`, as `fastanchor train` would 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +32,43 @@ from fastanchor.benchmarks.loaders import (
     LoaderUnavailable, check_loader_names, describe_images, make_loader, make_request,
 )
 from fastanchor.benchmarks.options import EndToEndOptions, by_device, parse_model_at
-from fastanchor.benchmarks.train_step import TrainingSetup, derived_config, model_at_resolution
+from fastanchor.benchmarks.train_step import (TrainingSetup, cudnn_autotuning, derived_config, model_at_resolution,
+                                              step_settings)
 from fastanchor.kernels import anchor
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringStage, draw_mask, to_device_batch
 from fastanchor.pipeline.references import to_device_async
 from fastanchor.trainer.config import Config
+from fastanchor.trainer.step import CompiledTrainStep
 
 UNIT = "images/s"
+
+
+def continuing(loader):
+    """The loader's batches epoch after epoch (set_epoch(0), then 1, ...), as training iterates it; the iterator of
+    the epoch under way is closed when this is (a pipelined loader's thread ends with it)."""
+    for epoch in itertools.count():
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        batches = iter(loader)
+        try:
+            yield from batches
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+
+def timed_stream(batches, count: int):
+    """The first `count` batches of the endless stream `batches`, which is closed after them."""
+    try:
+        yield from itertools.islice(batches, count)
+    finally:
+        batches.close()
+
+
+def boundaries_timed(per_epoch: int, warmup: int, timed: int) -> int:
+    """How many epochs start inside the timed batches (positions warmup .. warmup + timed - 1, counted from 0)."""
+    return sum(1 for start in range(per_epoch, warmup + timed, per_epoch) if start > warmup)
 
 
 def paired(images, references):
@@ -95,16 +129,27 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
     standard_stage, anchored_stage = standard.stage(alpha, options.seed), anchored.stage(alpha, options.seed)
     naive_stage = anchored.stage(alpha, options.seed + 1)
 
-    def epoch(batches, setup: TrainingSetup, make_batch):
+    timed = by_device(options.batches, 12, 100, device.type == "cuda")
+
+    def repetition(batches, setup: TrainingSetup, stage):
         def train_on(item) -> int:
-            batch = make_batch(item)
+            return setup.step.on(stage, *item)[1].labels.shape[0]
+
+        return time_epoch(timed_stream(batches, options.warmup_batches + timed), options.warmup_batches, train_on, device)
+
+    def naive_repetition(pairs, setup: TrainingSetup):
+        def train_on(pair) -> int:
+            batch = naive_batch(naive_stage, pair)
             setup.step(batch)
             return batch.labels.shape[0]
 
-        return time_epoch(batches, options.warmup_batches, train_on, device)
+        return time_epoch(timed_stream(pairs, options.warmup_batches + timed), options.warmup_batches, train_on, device)
 
     label = f"{model}@{image_size}"
-    info = {"loader": loader_name, "model": model, "image_size": image_size, "batch_size": batch_size}
+    per_epoch = len(request.index) // batch_size  # every loader drops the last incomplete batch in training
+    crossed = boundaries_timed(per_epoch, options.warmup_batches, timed)
+    info = {"loader": loader_name, "model": model, "image_size": image_size, "batch_size": batch_size,
+            "timed_batches": timed, "batches_per_epoch": per_epoch, "epoch_boundaries_timed": crossed}
     try:
         loader = make_loader(loader_name, request)
     except LoaderUnavailable as reason:
@@ -112,13 +157,13 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
                  for kind in ("standard", "anchored", "naive")]
     else:
         cases = [
-            Case(f"{label} standard", UNIT, lambda: epoch(loader, standard, lambda b: standard_stage.process(*b)), info=info),
-            Case(f"{label} anchored", UNIT, lambda: epoch(loader, anchored, lambda b: anchored_stage.process(*b)), info=info),
+            Case(f"{label} standard", UNIT, lambda: repetition(continuing(loader), standard, standard_stage), info=info),
+            Case(f"{label} anchored", UNIT, lambda: repetition(continuing(loader), anchored, anchored_stage), info=info),
         ]
         if options.naive:
             second = make_loader(loader_name, dataclasses.replace(request, seed=request.seed + 1))
             cases.append(Case(f"{label} naive", UNIT,
-                              lambda: epoch(paired(loader, second), anchored, lambda p: naive_batch(naive_stage, p)),
+                              lambda: naive_repetition(paired(continuing(loader), continuing(second)), anchored),
                               info={**info, "reference_loader": f"a second {loader_name} loader (seed + 1)"}))
     derived = [Derived(f"{label}: anchored/standard", f"{label} anchored", f"{label} standard",
                        meaning="anchored images/s over standard images/s, end to end")]
@@ -133,15 +178,23 @@ def run_end_to_end_benchmark(options: EndToEndOptions, command: str):
     train = config.train
     notes = [f"loader {loader_name} over {images['images']} JPEGs (mean {images['mean_bytes'] / 1000:.1f} KB, "
              f"{images['mean_width']:.0f} x {images['mean_height']:.0f} px), {request.workers} workers; {model} at "
-             f"{image_size} px, batch {batch_size}, amp {train.amp}, channels-last {train.channels_last}; anchored "
-             f"with alpha {alpha}; one epoch per repetition, first {options.warmup_batches} batches untimed; built by "
-             f"trainer/build.py from {f'the recipe {options.recipe}' if options.recipe else 'the default config'}"]
-    result, paths = run_and_write("e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
-                                  config=config, tag=options.tag or options.recipe_tag(),
-                                  config_extra={"batch_size": batch_size,
-                                                "resolved": {"loader": loader_name, "model": label, "batch_size": batch_size,
-                                                             "alpha": alpha, "workers": request.workers},
-                                                "dataset": images})
+             f"{image_size} px, batch {batch_size}, {step_settings(config)}; anchored with alpha {alpha}; per "
+             f"repetition {timed} timed batches after {options.warmup_batches} untimed, epochs of {per_epoch} batches "
+             f"following each other ({crossed} epoch boundaries timed); built by trainer/build.py from "
+             f"{f'the recipe {options.recipe}' if options.recipe else 'the default config'}"]
+    if crossed == 0:
+        notes.append(f"warning: no epoch boundary inside the timed batches: use --images below "
+                     f"{(options.warmup_batches + timed) * batch_size} to time the loader's epoch change too")
+    with cudnn_autotuning(train.cudnn_benchmark):
+        result, paths = run_and_write(
+            "e2e", options, cases=cases, derived=derived, device=device, command=command, notes=notes, config=config,
+            tag=options.tag or options.recipe_tag(),
+            config_extra={"batch_size": batch_size,
+                          "resolved": {"loader": loader_name, "model": label, "batch_size": batch_size, "alpha": alpha,
+                                       "workers": request.workers},
+                          "timing": {"timed_batches": timed, "batches_per_epoch": per_epoch,
+                                     "epoch_boundaries_timed": crossed},
+                          "dataset": images})
     if options.profile_batches and cases[0].run is not None:
         path = paths["json"].with_name(paths["json"].stem + "-profile.txt")
         write_profile(lambda: profiled_batches(loader, anchored_stage, anchored, options.profile_batches), device, path)
@@ -158,6 +211,10 @@ def profiled_batches(loader, stage: AnchoringStage, setup: TrainingSetup, batche
                 item = next(iterator, None)
             if item is None:
                 break
+            if isinstance(setup.step, CompiledTrainStep):  # one graph: the stage's device work is inside the step
+                with record_function("e2e: anchoring stage and training step (compiled)"):
+                    setup.step.on(stage, *item)
+                continue
             with record_function("e2e: anchoring stage"):
                 batch = stage.process(*item)
             with record_function("e2e: training step"):

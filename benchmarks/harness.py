@@ -6,7 +6,8 @@ max is more than SPREAD_LIMIT times its min is named in a warning (printed, and 
 A case is a callable doing one repetition and returning a `Measurement` (what it processed and how
 long it took); its value is `scale * items / seconds` in its unit (images/s, GB/s, ...). A ratio
 between two cases (`Derived`) is the ratio of their medians, with the ratios of the same rounds as
-its spread: drifts of a shared machine hit both sides of a round alike.
+its spread (their median, min, max and interquartile range): drifts of a shared machine hit both sides
+of a round alike.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fastanchor.benchmarks.results import quartiles
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.progress import progress_bar
@@ -154,6 +156,9 @@ def derived_record(derived: Derived, cases: dict[str, dict]) -> dict:
                    if not case or case["status"] != "ok"]
         return {**record, "status": "not available", "value": None, "reason": f"not measured: {'; '.join(missing)}"}
     per_round = [derived.factor * a["value"] / b["value"] for a, b in zip(top["repetitions"], bottom["repetitions"])]
+    q1, q3 = quartiles(per_round)
     return {**record, "status": "ok", "value": derived.factor * top["median"] / bottom["median"],
             "per_round": per_round, "per_round_median": statistics.median(per_round),
-            "per_round_min": min(per_round), "per_round_max": max(per_round)}
+            "per_round_min": min(per_round), "per_round_max": max(per_round),
+            "per_round_q1": q1, "per_round_q3": q3, "per_round_iqr": q3 - q1}
+

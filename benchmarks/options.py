@@ -13,10 +13,11 @@ from fastanchor.errors import ConfigError
 from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import OnDevice, Overrides
 from fastanchor.pipeline.loaders.registry import LOADERS, TRAINING_LOADERS
+from fastanchor.trainer.config import OP_KERNELS
 
-# "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS)
-OP_PATHS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
-            "triton:cl-rcp", "numba")
+# "triton" is the default dispatch; "triton:VARIANT" a kernel variant (kernels/anchor_triton.py VARIANTS): the names
+# anchor.kernel takes in training
+OP_PATHS = OP_KERNELS
 GPU_STEP_MODELS = "resnet18@176,resnet50@176,vit_base_patch16_224@224,swinv2_tiny_window8_256@256"
 CPU_STEP_MODELS = "fastanchor_resnet_tiny@64,resnet18@64"
 
@@ -155,7 +156,7 @@ data.ffcv_jpeg_quality and data.ffcv_max_resolution)."""
                        "ImageFolder tree (<class>/<image>) the loaders read, e.g. from `fastanchor bench data`")
     images: int = option(0, "use this many images of the tree, drawn with the seed (0: all)")
     workers: int = option(0, "decoding workers (processes or threads) of every loader (0: one per usable CPU)")
-    warmup_batches: int = option(3, "batches at the start of every epoch left out of the timing")
+    warmup_batches: int = option(3, "batches at the start of every repetition left out of the timing")
     ffcv_cache: str = option("", "directory of the .beton written from the images ('': <data>/../ffcv)")
     shard_size: int = option(1000, "samples per tar shard the webdataset loader reads")
     shards_cache: str = option("", "directory of the tar shards written from the images ('': <data>/../wds)")
@@ -175,7 +176,7 @@ class LoaderOptions(ImageDataOptions, RunConfig):
 data.image_size (the first-epoch resolution), data.min_scale, crop, flip, policy and FFCV order. Without --config:
 the built-in settings at 176 px, batch 64 on CPU, 256 on CUDA. --workers is the measurement's own (docs/benchmarks.md)."""
 
-    loaders: str = option("ffcv,torchvision,webdataset,dali", "comma-separated loaders to compare: " + ", ".join(LOADERS))
+    loaders: str = option("ffcv,torchvision,webdataset,dali", "loaders to compare, comma-separated: " + ",".join(LOADERS))
 
     def checks(self):
         return super().checks() + [("loaders", bool(names_list(self.loaders)), "one or more loader names")]
@@ -216,7 +217,6 @@ batch size, optimiser, batch augmentations, mixing, precision and anchoring sett
     models: str = option("", "comma-separated <model>@<size> without --config ('': by device, see docs/benchmarks.md)")
     steps: int = option(0, "training steps per repetition (0: 5 on CPU, 20 on CUDA)")
     profile_steps: int = option(0, "then profile this many steps of each case (torch.profiler tables beside the result; 0: none)")
-    cudnn_benchmark: bool = option(False, "cuDNN autotuning of convolution algorithms for every case (the trainer leaves it off)")
 
     def checks(self):
         for text in names_list(self.models):
@@ -234,13 +234,15 @@ crop, flip and policy, the model at its first-epoch resolution, batch size, opti
 masking (anchor.alpha, anchor.mask_level) and precision. Without --config: fastanchor_resnet_tiny at 64 px, batch 64 and
 FFCV on CPU; resnet50 at 176 px, batch 256 and nvJPEG on CUDA."""
 
-    loader: str = option("", "loader measured: " + ", ".join(LOADERS) + " ('': see below)")
+    loader: str = option("", "loader measured: " + ",".join(LOADERS) + " ('': see below)")
+    batches: int = option(0, "timed batches per repetition, the loader's epochs following each other (0: 12 on CPU, 100 on CUDA)")
     naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
     profile_batches: int = option(0, "then profile this many anchored batches (torch.profiler table beside the result; 0: none)")
 
     def checks(self):
         return super().checks() + [
             ("loader", self.loader == "" or self.loader in LOADERS, f"one of {', '.join(LOADERS)}"),
+            ("batches", self.batches >= 0, "0 (by device) or a number of batches"),
             ("profile_batches", self.profile_batches >= 0, "0 (no profile) or a number of batches"),
         ]
 

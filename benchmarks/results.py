@@ -8,7 +8,8 @@
      "cases": [{"name", "unit", "status": "ok", "repetitions": [{"value", "items", "seconds"}],
                 "scale", "median", "min", "max", "rel_spread", ...} | {"name", "unit", "status": "not available", "reason"}],
      "derived": [{"name", "numerator", "denominator", "factor", "meaning", "status", "value",
-                  "per_round", "per_round_median", "per_round_min", "per_round_max"}]}
+                  "per_round", "per_round_median", "per_round_min", "per_round_max", "per_round_q1", "per_round_q3",
+                  "per_round_iqr"}]}
 
 Files are written atomically (temporary file, fsync, rename) under `<out>/<benchmark>-<device tag>[-<tag>]` (and the
 same under `<record>/` with --record).
@@ -41,6 +42,16 @@ def build_result(benchmark: str, *, command: str, config: dict, env: dict, cases
         "warmup_rounds": warmup_rounds, "repetitions": repetitions, "schedule": schedule,
         "cases": cases, "derived": derived,
     }
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of `values` (linear between the sorted values, as numpy's default: the median of
+    one value, of two their quarter points)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0], ordered[0]
+    q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    return q1, q3
 
 
 def _close(a: float, b: float) -> bool:
@@ -126,12 +137,16 @@ def tables(result: dict) -> list[str]:
         lines.append(f"| {case['name']} | {format_value(case['median'])} | {case['unit']} | {format_value(case['min'])} "
                      f"| {format_value(case['max'])} | {len(case['repetitions'])} |")
     if result["derived"]:
-        lines += ["", "| derived | value | per-round min-max | meaning |", "| --- | ---: | --- | --- |"]
+        lines += ["", "| derived | value | per-round median | per-round IQR | per-round min-max | meaning |",
+                  "| --- | ---: | ---: | --- | --- | --- |"]
         for item in result["derived"]:
             if item["status"] != "ok":
-                lines.append(f"| {item['name']} | n/a | | {item['reason']} |")
+                lines.append(f"| {item['name']} | n/a | | | | {item['reason']} |")
                 continue
-            lines.append(f"| {item['name']} | {format_value(item['value'])} | {format_value(item['per_round_min'])}-"
+            rounds = item["per_round"]
+            q1, q3 = quartiles(rounds)  # (results written before the quartiles were recorded have the rounds)
+            lines.append(f"| {item['name']} | {format_value(item['value'])} | {format_value(statistics.median(rounds))} "
+                         f"| {format_value(q1)}-{format_value(q3)} | {format_value(item['per_round_min'])}-"
                          f"{format_value(item['per_round_max'])} | {item['meaning']} |")
     return lines
 

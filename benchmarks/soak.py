@@ -126,8 +126,8 @@ def soak(loader_name: str, config: Config, options: SoakOptions) -> dict:
     bar = progress_bar(total=options.steps, desc=f"soak {loader_name}", unit="step")
     while step < options.steps:
         loader.set_epoch(epoch)
-        for batch in stage:
-            setup.step(batch)
+        for images, labels in loader:
+            setup.step.on(stage, images, labels)
             step += 1
             bar.update()
             if step % options.sample_every == 0 or step == options.steps:

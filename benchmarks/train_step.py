@@ -21,6 +21,7 @@ as ranges: one table per case beside the result (`<result>-profile-<case>.txt`),
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import time
@@ -34,9 +35,31 @@ from fastanchor.benchmarks.harness import Case, Derived, Measurement, synchroniz
 from fastanchor.benchmarks.options import CPU_STEP_MODELS, GPU_STEP_MODELS, StepOptions, by_device, names_list, parse_model_at
 from fastanchor.pipeline.anchoring import AnchoringStage
 from fastanchor.trainer.config import Config, with_overrides
+from fastanchor.trainer.step import CompiledTrainStep
 
 UNIT = "images/s"
 BENCH_LR = 0.01  # small enough that random labels never drive the weights to inf/NaN (which would change the speed)
+
+
+@contextlib.contextmanager
+def cudnn_autotuning(on: bool):
+    """train.cudnn_benchmark for one benchmark run; the process's setting is put back after it."""
+    from fastanchor.trainer.build import set_cudnn_autotuning
+
+    before = torch.backends.cudnn.benchmark
+    set_cudnn_autotuning(on)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def step_settings(config: Config) -> str:
+    """The step's settings a reader compares results by, in one phrase (the result's config holds them all)."""
+    t, m, a = config.train, config.model, config.anchor
+    compiled = f"compile {t.compile}" + (f" ({t.compile_backend})" if t.compile != "off" else "")
+    return (f"amp {t.amp}, channels-last {t.channels_last}, {compiled}, cuDNN autotuning "
+            f"{'on' if t.cudnn_benchmark else 'off'}, stem {m.stem_channels or 'unpadded'}, anchoring op {a.kernel}")
 
 
 def derived_config(config: Config, values: dict) -> Config:
@@ -59,7 +82,8 @@ class TrainingSetup:
         self.anchored = anchored
         model = build_model(self.config, num_classes, device).train()
         self.step = make_step(self.config, model, make_optimizer(model, self.config), device,
-                              forward=torch.compile(model) if self.config.train.compile else None)
+                              forward=torch.compile(model, backend=self.config.train.compile_backend)
+                              if self.config.train.compile == "model" else None)
         self.input_dtype = self.step.autocast_dtype or torch.float32
 
     def stage(self, alpha: float, seed: int, batch: torch.Tensor | None = None) -> AnchoringStage:
@@ -88,7 +112,7 @@ def step_case(name: str, setup: TrainingSetup, stage: AnchoringStage, batches, s
         started = time.perf_counter()
         for i in range(steps):
             images, labels = batches[i % len(batches)]
-            setup.step(stage.process(images, labels))
+            setup.step.on(stage, images, labels)
         synchronize(setup.device)
         return Measurement(steps * batches[0][0].shape[0], time.perf_counter() - started)
 
@@ -99,6 +123,10 @@ def profiled_steps(setup: TrainingSetup, stage: AnchoringStage, batches, steps: 
     """`steps` steps as `step_case` times them, the anchoring stage and the training step marked as profiler ranges."""
     for i in range(steps):
         images, labels = batches[i % len(batches)]
+        if isinstance(setup.step, CompiledTrainStep):  # one graph: the stage's device work is inside the step
+            with record_function("step: anchoring stage and training step (compiled)"):
+                setup.step.on(stage, images, labels)
+            continue
         with record_function("step: anchoring stage"):
             batch = stage.process(images, labels)
         with record_function("step: training step"):
@@ -174,12 +202,8 @@ def model_cases(options: StepOptions, device: torch.device, name: str, size: int
 def run_step_benchmark(options: StepOptions, command: str):
     options.validate()
     apply_threads(options)
-    autotuning = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = options.cudnn_benchmark  # for this run only
-    try:
+    with cudnn_autotuning(options.run_config().train.cudnn_benchmark):
         return measure_steps(options, command)
-    finally:
-        torch.backends.cudnn.benchmark = autotuning
 
 
 def measure_steps(options: StepOptions, command: str):
@@ -191,13 +215,10 @@ def measure_steps(options: StepOptions, command: str):
         cases += more_cases
         derived += more_derived
         profiles += more_profiles
-    train = chosen.config.train
     notes = [f"synthetic uint8 batches on the device, batch {chosen.config.data.batch_size}, {chosen.steps} steps per "
-             f"repetition; amp {train.amp}, channels-last {train.channels_last}, compile {train.compile}; built by "
-             f"trainer/build.py (build_model, make_optimizer, make_step, make_stage) from "
-             f"{'the recipe' if options.recipe else 'the default config'}, learning rate {BENCH_LR}"]
-    if options.cudnn_benchmark:
-        notes.append("cuDNN benchmark on (torch.backends.cudnn.benchmark: convolution algorithms autotuned per shape)")
+             f"repetition; {step_settings(chosen.config)}; built by trainer/build.py (build_model, make_optimizer, "
+             f"make_step, make_stage) from {'the recipe' if options.recipe else 'the default config'}, "
+             f"learning rate {BENCH_LR}"]
     if options.recipe:
         notes.append(f"recipe {options.recipe}: its model at its first-epoch training resolution; the figures stand for "
                      f"{', '.join(chosen.recipes)}")

@@ -62,10 +62,10 @@ def anchor_triton_available() -> bool:
     """True when triton imports and it can run here (a CUDA device, or the interpreter)."""
     if triton is None:
         return False
-    return _interpreting() or torch.cuda.is_available()
+    return triton_interpreting() or torch.cuda.is_available()
 
 
-def _interpreting() -> bool:
+def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -344,7 +344,7 @@ def _kernel(fn=None):
     setting; the helper `_normalise` is put in place for the same setting (compiled kernels call jitted helpers)."""
     global _normalise
     fn = fn or _anchor_kernel
-    interpreting = _interpreting()
+    interpreting = triton_interpreting()
     for key, function in ((("_normalise", interpreting), _normalise_fn), ((fn.__name__, interpreting), fn)):
         if key not in _KERNELS:
             _KERNELS[key] = function if function is _normalise_fn and interpreting else triton.jit(function)
@@ -501,7 +501,7 @@ def anchor_triton(
         variant = variant or DEFAULT_VARIANT
         groups, num_warps, rcp = CL_VARIANTS["cl" if variant == "auto" else variant]
         rstd3 = _reciprocal_is_exact(tuple(mean3), tuple(std3)) if rcp else None
-        rcp = rstd3 is not None and (not _interpreting() or _interpreter_fma_rounds_once())
+        rcp = rstd3 is not None and (not triton_interpreting() or _interpreter_fma_rounds_once())
         rstd3 = rstd3 or (1.0, 1.0, 1.0)  # unread without RCP
         pixels = H * W
         n_blocks = max(1, triton.cdiv(pixels // 4, groups))  # at least one: it also writes the 0-3 tail pixels

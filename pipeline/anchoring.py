@@ -34,6 +34,26 @@ class AnchoredBatch(NamedTuple):
     labels: torch.Tensor  # int64 [B]
     masked: torch.Tensor  # bool [B]: reference masked, target uniform (unless masked_target=label)
 
+    @property
+    def input_shape(self) -> list[int]:
+        return list(self.inputs.shape[1:])
+
+
+class DrawnBatch(NamedTuple):
+    """A batch with everything drawn for it on the host (mask, references, bank slots) and nothing computed yet:
+    `AnchoringStage.assemble` makes the network input of it with device work only (a compiled step traces it)."""
+    images: torch.Tensor  # uint8 [B, 3, H, W] channels-last, on the device, augmented
+    labels: torch.Tensor  # int64 [B]
+    masked: torch.Tensor  # bool [B]
+    pool: torch.Tensor | None  # the references' pool (None: standard training)
+    index: torch.Tensor | None  # sample i's reference is pool[index[i]]
+    bank: torch.Tensor | None  # a reference bank the batch is stored into in the same pass, at `slots`
+    slots: torch.Tensor | None
+
+    @property
+    def input_shape(self) -> list[int]:
+        return [3 if self.pool is None else 6, *self.images.shape[2:]]
+
 
 @dataclass(frozen=True)
 class AnchoringSpec:
@@ -92,9 +112,12 @@ class AnchoringStage:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        kernel: str = "auto",
     ):
-        """`augment`: a device-side augmentation of the uint8 batch before pairing (e.g. random erasing)."""
+        """`augment`: a device-side augmentation of the uint8 batch before pairing (e.g. random erasing); `kernel`:
+        the anchoring op's implementation (kernels.anchor's `kernel`)."""
         self.loader = loader
+        self.kernel = kernel
         self.augment = augment
         self.spec = spec
         self.references = references or InBatchDerangement()
@@ -124,17 +147,28 @@ class AnchoringStage:
             yield self.process(images, labels)
 
     def process(self, images: torch.Tensor, labels: torch.Tensor) -> AnchoredBatch:
+        return self.assemble(self.draw(images, labels))
+
+    def draw(self, images: torch.Tensor, labels: torch.Tensor) -> DrawnBatch:
+        """The batch on the device, augmented, with its mask and references drawn (nothing anchored yet)."""
         images, labels = to_device_batch(images, labels, self.device)
         if self.augment is not None:
             images = self.augment(images)
         spec = self.spec
         if not spec.anchored:
             masked = torch.zeros(images.shape[0], dtype=torch.bool, device=self.device)
-            return AnchoredBatch(normalize(images, spec.mean, spec.std, self.dtype), labels, masked)
+            return DrawnBatch(images, labels, masked, None, None, None, None)
         # drawn on the host from the stage's generator, copied without a sync (pipeline/references.py)
         masked = to_device_async(draw_mask(images.shape[0], spec.alpha, spec.mask_level, self.generator), self.device)
         pool, index = self.references.pair(images, self.generator)
         bank, slots = self.references.reserve(images) or (None, None)  # the bank is filled by the same pass
-        inputs = anchor(images, pool, masked, spec.mean, spec.std, self.dtype, reference_index=index,
-                        bank=bank, bank_slots=slots)
-        return AnchoredBatch(inputs, labels, masked)
+        return DrawnBatch(images, labels, masked, pool, index, bank, slots)
+
+    def assemble(self, drawn: DrawnBatch) -> AnchoredBatch:
+        """The network input of a drawn batch: normalised (standard) or [r, x - r] (anchored), device work only."""
+        spec = self.spec
+        if drawn.pool is None:
+            return AnchoredBatch(normalize(drawn.images, spec.mean, spec.std, self.dtype), drawn.labels, drawn.masked)
+        inputs = anchor(drawn.images, drawn.pool, drawn.masked, spec.mean, spec.std, self.dtype,
+                        reference_index=drawn.index, bank=drawn.bank, bank_slots=drawn.slots, kernel=self.kernel)
+        return AnchoredBatch(inputs, drawn.labels, drawn.masked)

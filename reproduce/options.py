@@ -16,7 +16,7 @@ class ReproduceFlags(Overrides, OnDevice):
     SET_SCOPE = ("added last to every run of the sweep, each step taking the ones its command takes: training every "
                  "option, evaluate data.*, eval.* and train.progress")
 
-    scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar or imagenet (--data, GPU), gpu (fig1 and tab1 in one GPU window)", choices=SCALES)
+    scale: str = option("small", "tiny (CI), small (embedded data, CPU), cifar, imagenet (--data, GPU), gpu (one GPU window)", choices=SCALES)
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")
     out: str = option("runs/reproduce", "where <experiment>/<run>/ and the aggregated result files are written")
     seeds: int = option(0, "seeds per configuration (0: the experiment's default)")

@@ -13,7 +13,7 @@
 #   scripts/run_gpu.sh op OUTDIR            # the op's Triton kernel variants side by side, each checked against
 #                                              # the torch reference first (under a minute; docs/notes/anchor_op_gpu.md)
 #   scripts/run_gpu.sh nvjpeg OUTDIR        # issue 29's decode path, 2.5 minutes: the nvJPEG tests, then the
-#                                              # per-image (nvjpeg) and pipelined (nvjpeg-pipelined) loaders side by
+#                                              # per-image (nvjpeg-per-image) and pipelined (nvjpeg) loaders side by
 #                                              # side, and e2e with each (docs/notes/nvjpeg_loader_gpu.md)
 #
 # Options: --device cpu rehearses either part on the CPU at tiny sizes (the GPU test set with
@@ -113,11 +113,11 @@ if [[ $part == nvjpeg ]]; then  # the two nvJPEG paths: same batches (the tests)
     stage nvj-tests "${LIMIT_NVJPEG_TESTS:-60}" "$PYTHON" -m pytest tests/test_gpu.py -k nvjpeg -p no:cacheprovider -v \
         --tb=short -ra "${per_test[@]}" --junitxml="$raw/nvjpeg-tests.xml"
     common=(--device "$device" --repetitions "$REPS" --out "$raw" --no-progress --data "$data/train" "${images[@]}")
-    stage nvj-loaders "${LIMIT_LOADER:-60}" "${bench[@]}" loader "${common[@]}" --loaders nvjpeg,nvjpeg-pipelined \
+    stage nvj-loaders "${LIMIT_LOADER:-60}" "${bench[@]}" loader "${common[@]}" --loaders nvjpeg-per-image,nvjpeg \
         --set "data.batch_size=$batch" --set "data.image_size=$size" --tag nvjpeg
     run=(--set "model.name=$model" --set "data.image_size=$size" --set "data.batch_size=$batch")
     # the new path first (its profile written after its figures), then the old one again on this machine
-    stage nvj-e2e-new "${LIMIT_E2E:-80}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg-pipelined "${run[@]}" \
+    stage nvj-e2e-new "${LIMIT_E2E:-80}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg "${run[@]}" \
         --no-naive --profile-batches "$profile" --tag nvjpeg-pipelined
     stage nvj-e2e-old "${LIMIT_E2E:-70}" "${bench[@]}" e2e "${common[@]}" --loader nvjpeg "${run[@]}" \
         --no-naive --tag nvjpeg-per-image

@@ -6,7 +6,7 @@
 #   1. syncs    the stage and step of every case on the GPU under torch's sync debug mode (tests/test_gpu.py)
 #   2. step     bench step for ResNet-18/50 at 176 px and ViT-B/16 at 224 px (bf16, channels-last, batch 256),
 #               3 repetitions, then a torch.profiler table per case (--profile-steps 3)
-#   3. cudnn    the same with --cudnn-benchmark (is the 6-channel first layer given a slow algorithm by default?)
+#   3. cudnn    the same with --set train.cudnn_benchmark=true (is the 6-channel first layer given a slow algorithm by default?)
 #   4. stem     the first layer alone at 3, 6 and 6 + 2 zero channels, cuDNN autotuning off and on
 #               (benchmarks/first_layer.py; SwinV2-T as the control that lost nothing)
 #   5. compile  (with --compile) ResNet-50 compiled, 2 repetitions
@@ -63,11 +63,11 @@ stage syncs "${LIMIT_SYNCS:-90}" "$PYTHON" -m pytest tests/test_gpu.py -k never_
     -q --tb=short -ra
 stage step "${LIMIT_STEP:-100}" "${step[@]}" --models "$models" --repetitions "$reps" --profile-steps 3 --out "$out"
 stage cudnn "${LIMIT_CUDNN:-100}" "${step[@]}" --models "$models" --repetitions "$reps" --profile-steps 3 \
-    --cudnn-benchmark --tag cudnn --out "$out"
+    --set train.cudnn_benchmark=true --tag cudnn --out "$out"
 stage stem "${LIMIT_STEM:-90}" "$PYTHON" -m fastanchor.benchmarks.first_layer --device "$device" --models "$stems" \
     --batch-size "$batch" --iterations "$iterations"
 if [[ $compile == 1 ]]; then
-    stage compile "${LIMIT_COMPILE:-240}" "${step[@]}" --models "$compiled" --repetitions 2 --set train.compile=true --tag compile \
+    stage compile "${LIMIT_COMPILE:-240}" "${step[@]}" --models "$compiled" --repetitions 2 --set train.compile=model --tag compile \
         --out "$out"
 fi
 echo "== $(date -u +%FT%TZ) done; stages:"

@@ -140,7 +140,7 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--set", "data.batch_size=4",
                    "--set", "data.image_size=32", "--workers", 2, "--warmup-batches", 1,
-                   "--loaders", "ffcv,torchvision,webdataset,dali,nvjpeg,nvjpeg-pipelined", "--ffcv-cache", tmp_path,
+                   "--loaders", "ffcv,torchvision,webdataset,dali,nvjpeg,nvjpeg-per-image", "--ffcv-cache", tmp_path,
                    "--shard-size", 10, "--shards-cache", tmp_path / "wds", "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
@@ -152,7 +152,7 @@ def test_loader_benchmark(tiny_dataset, results, tmp_path):
                  "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
     assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
-    assert found["nvjpeg-pipelined"]["status"] == "not available" and "CUDA" in found["nvjpeg-pipelined"]["reason"]
+    assert found["nvjpeg-per-image"]["status"] == "not available" and "CUDA" in found["nvjpeg-per-image"]["reason"]
     assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
     # every epoch: 8 batches of 4, one untimed -> 28 images per repetition
     assert [r["items"] for r in found["ffcv"]["repetitions"]] == [28, 28]
@@ -282,10 +282,10 @@ def test_step_benchmark(results):
 
 def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
     """--profile-steps: one torch.profiler table per case, the stage and the step as ranges; only the anchored cases
-    run the anchoring op, and the process's cuDNN setting is what it was (--cudnn-benchmark is the run's alone)."""
+    run the anchoring op, and the process's cuDNN setting is what it was (train.cudnn_benchmark is the run's alone)."""
     before = torch.backends.cudnn.benchmark
     bench("step", *COMMON, "--models", "fastanchor_resnet_tiny@16", "--set", "data.batch_size=4", "--steps", 1,
-          "--num-classes", 4, "--profile-steps", 2, "--cudnn-benchmark", "--out", tmp_path)
+          "--num-classes", 4, "--profile-steps", 2, "--set", "train.cudnn_benchmark=true", "--out", tmp_path)
     assert torch.backends.cudnn.benchmark == before
     tables = {kind: (tmp_path / f"step-cpu-profile-fastanchor_resnet_tiny-16-{kind}.txt").read_text()
               for kind in ("standard", "anchored", "anchored-masked")}
@@ -298,13 +298,13 @@ def test_step_benchmark_profiles_each_case_side_by_side(tmp_path):
 
 
 def test_step_benchmark_compile_steps_through_the_compiled_model():
-    """`bench step --compile` hands the step a torch.compile wrapper; the step once asked it for its truth value,
+    """`bench step --set train.compile=model` hands the step a torch.compile wrapper; the step once asked it for its truth value,
     which a compiled model without len() refuses (TypeError), so --compile never ran. Building is enough here
     (compiling happens at the first call)."""
     from fastanchor.benchmarks.train_step import TrainingSetup
     from fastanchor.trainer.config import load_config
 
-    config = load_config(None, ["data.image_size=16", "train.amp=off", "train.channels_last=false", "train.compile=true"])
+    config = load_config(None, ["data.image_size=16", "train.amp=off", "train.channels_last=false", "train.compile=model"])
     setup = TrainingSetup(config, anchored=True, device=torch.device("cpu"), num_classes=4)
     assert isinstance(setup.step.forward, torch._dynamo.eval_frame.OptimizedModule)
     assert setup.step.forward._orig_mod is setup.step.model
@@ -330,16 +330,27 @@ def test_step_benchmark_of_a_recipe_fills_the_recipes_throughput_column(tmp_path
 
 
 def test_end_to_end_benchmark(tiny_dataset, results):
+    """A repetition is --batches timed batches with the loader's epochs following each other: 16 images in batches
+    of 4 are epochs of 4 batches, so batches 1-6 (after one untimed) hold the start of epoch 1; each ratio comes
+    with its per-round median, quartiles, min and max, in the record and in the printed table."""
     result = bench("e2e", *COMMON, "--data", tiny_dataset / "train", "--images", 16, "--loader", "torchvision",
                    "--workers", 0, "--set", "model.name=fastanchor_resnet_tiny", "--set", "data.image_size=16",
-                   "--set", "data.batch_size=4", "--warmup-batches", 1, "--out", results, "--tag", "tiny",
+                   "--set", "data.batch_size=4", "--warmup-batches", 1, "--batches", 6, "--out", results, "--tag", "tiny",
                    "--profile-batches", 2)
     found = cases(result)
     label = "fastanchor_resnet_tiny@16"
     for kind in ("standard", "anchored", "naive"):
-        assert [r["items"] for r in found[f"{label} {kind}"]["repetitions"]] == [12, 12]
+        assert [r["items"] for r in found[f"{label} {kind}"]["repetitions"]] == [24, 24]  # 6 batches of 4, not an epoch
+        assert found[f"{label} {kind}"]["epoch_boundaries_timed"] == 1
         check_recorded(found[f"{label} {kind}"])
+    assert result["config"]["timing"] == {"timed_batches": 6, "batches_per_epoch": 4, "epoch_boundaries_timed": 1}
     assert set(derived(result)) == {f"{label}: anchored/standard", f"{label}: naive/standard", f"{label}: anchored/naive"}
+    ratio = derived(result)[f"{label}: anchored/standard"]
+    rounds = sorted(ratio["per_round"])
+    assert len(rounds) == 2 and ratio["per_round_q1"] == pytest.approx(rounds[0] + (rounds[1] - rounds[0]) / 4)
+    assert ratio["per_round_iqr"] == pytest.approx((rounds[1] - rounds[0]) / 2)
+    table = (results / "e2e-cpu-tiny.md").read_text()
+    assert "| derived | value | per-round median | per-round IQR | per-round min-max | meaning |" in table
     assert (results / "e2e-cpu-tiny.json").exists()
     profile = (results / "e2e-cpu-tiny-profile.txt").read_text()  # where an anchored batch's time goes
     assert all(f"e2e: {part}" in profile for part in ("loader (wait for the next batch)", "anchoring stage", "training step"))

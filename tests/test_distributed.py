@@ -18,7 +18,8 @@ import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.spec import LoaderSpec
-from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, epoch_shard, train_transform
+from fastanchor.pipeline.loaders.order import epoch_shard
+from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, train_transform
 from fastanchor.trainer.checkpoint.file import checkpoint_name
 
 pytestmark = pytest.mark.slow  # two training processes under torchrun, several times

@@ -146,7 +146,7 @@ def train(data, out, **settings):
     ("ffcv", False, {"anchor.references": "bank", "anchor.bank_size": 16}),
 ])
 def test_anchored_training_steps_under_bf16_and_channels_last(tiny_dataset, tmp_path, loader, compiled, extra):
-    run = train(tiny_dataset, tmp_path, **{"data.loader": loader, "train.compile": str(compiled).lower(),
+    run = train(tiny_dataset, tmp_path, **{"data.loader": loader, "train.compile": "model" if compiled else "off",
                                            "train.run_name": "run", **extra})
     records = read_jsonl(run / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
@@ -209,3 +209,31 @@ def test_one_process_run_through_torchrun(tiny_dataset, tmp_path):
     """torchrun with one process: the process group (NCCL on CUDA, gloo on the CPU), the DDP wrapper."""
     torchrun(1, "train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.device": DEVICE, "train.run_name": "ddp"}))
     assert (tmp_path / "ddp" / "final.pt").exists()
+
+
+def needs_cuda(what: str):
+    """Skip, saying why, a test of something that exists on CUDA devices only when the rehearsal runs on the CPU."""
+    return pytest.mark.skipif(not ON_GPU, reason=f"needs CUDA: {what}")
+
+
+@needs_cuda("nvJPEG decodes on the GPU")
+def test_training_with_the_nvjpeg_loader_resumes_bitwise(tiny_dataset, tmp_path):
+    """data.loader=nvjpeg: decoded and cropped two batches ahead on a stream of its own; killed mid-epoch and resumed,
+    the run ends with the uninterrupted run's weights, optimiser state and metrics."""
+    kill_and_resume(tiny_dataset, tmp_path, {**RESUMABLE, "train.device": DEVICE, "train.amp": "bf16",
+                                             "data.loader": "nvjpeg"})
+
+
+@pytest.mark.parametrize("mode", ["step", "step-cudagraphs"])
+def test_the_compiled_step_trains_on_the_device(tiny_dataset, tmp_path, mode):
+    """train.compile = step (one graph: op, forward, loss, backward, SGD) and step-cudagraphs (replayed as CUDA graphs)
+    with the padded stem and the channels-last op variant: finite losses, a checkpoint of the unpadded shape."""
+    if mode == "step-cudagraphs" and not ON_GPU:
+        pytest.skip("needs CUDA: CUDA graphs replay GPU work")
+    run = train(tiny_dataset, tmp_path, **{"train.compile": mode, "optim.name": "sgd", "model.stem_channels": 8,
+                                           "anchor.kernel": "triton:cl" if ON_GPU else "torch",
+                                           "train.run_name": f"compiled-{mode}"})
+    losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    state = torch.load(run / "final.pt", weights_only=True)
+    assert [v for v in state["model"].values() if v.ndim == 4][0].shape[1] == 6

@@ -41,12 +41,13 @@ def test_a_bad_setting_is_one_line_naming_it(bad, named):
 
 
 def test_the_registry_names_the_loaders_training_selects_four_of_them_and_others_are_refused(tiny_dataset):
-    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "memory", "nvjpeg", "nvjpeg-pipelined"]
-    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "memory"]  # nvJPEG: benchmarks only
+    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "memory", "nvjpeg", "nvjpeg-per-image"]
+    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "memory", "nvjpeg"]  # the per-image path: benchmarks
     with pytest.raises(ConfigError, match="loader 'tfrecord': expected one of torchvision, ffcv, dali, webdataset, memory, nvjpeg, "):
         registry.make("tfrecord", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
-    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg': expected one of torchvision, ffcv, dali, webdataset, memory$"):
-        load_config(None, ["data.loader=nvjpeg"])
+    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg-per-image': expected one of torchvision, ffcv, dali, webdataset, memory, nvjpeg$"):
+        load_config(None, ["data.loader=nvjpeg-per-image"])
+    assert load_config(None, ["data.loader=nvjpeg"]).data.loader == "nvjpeg"  # the config is the machine's business
     for loader in ("ffcv", "memory"):
         with pytest.raises(ConfigError, match=f"augment.auto_augment = 'randaugment' is not supported by data.loader = '{loader}'"):
             registry.check_loader_supports(loader, "randaugment")
@@ -134,8 +135,12 @@ def test_every_loader_training_selects_keeps_the_contract(name, tiny_dataset, tm
         write_shards(index, tmp_path / "train", shard_size=16, shuffle_seed=0, progress=False)
         source = read_shard_set(tmp_path / "train")
     spec = LoaderSpec(batch_size=10, train=True, image_size=16, workers=1, device="cpu", drop_last=False, seed=5)
+    entry = registry.LOADERS[name]
     knobs = {"cache_dir": tmp_path} if name == "memory" else {}  # (its cache: not beside the shared tiny dataset)
-    loader = registry.make(name, source, spec, **knobs)
+    if entry.cuda_only and not torch.cuda.is_available():  # the same class and knobs, decoding on the CPU
+        loader = getattr(entry.module(), entry.maker.partition(":")[2])(source, spec, **{**entry.knobs, **knobs})
+    else:
+        loader = registry.make(name, source, spec, **knobs)
     assert isinstance(loader, Loader)
     loader.set_epoch(1)
     batches = list(loader)

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastanchor.errors import ConfigError, DataError
+from fastanchor.kernels import check_kernel
 from fastanchor.pipeline.anchoring import AnchoringSpec, AnchoringStage, make_reference_source
 from fastanchor.pipeline.augment.augmix import AugmentChain, DeviceAugMix
 from fastanchor.pipeline.beton.cache import ensure_beton as cached_beton
@@ -70,7 +71,7 @@ from fastanchor.trainer.loss_window import LossWindow
 from fastanchor.trainer.models import create_model
 from fastanchor.trainer.checkpoint.resume import ResumePoint
 from fastanchor.trainer.schedule import lr_factor, peak_lr
-from fastanchor.trainer.step import TrainStep
+from fastanchor.trainer.step import CompiledTrainStep, TrainStep
 
 
 def build_model(config: Config, num_classes: int, device: torch.device, *, pretrained: bool | None = None) -> torch.nn.Module:
@@ -83,7 +84,7 @@ def build_model(config: Config, num_classes: int, device: torch.device, *, pretr
     model = create_model(m.name, num_classes, anchored=config.anchor.enabled,
                          pretrained=m.pretrained if pretrained is None else pretrained,
                          image_size=config.data.image_size, drop_rate=m.drop_rate, blurpool=m.blurpool,
-                         first_layer=config.anchor.first_layer)
+                         first_layer=config.anchor.first_layer, stem_channels=m.stem_channels)
     model = model.to(device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -419,6 +420,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def set_cudnn_autotuning(on: bool) -> None:
+    """train.cudnn_benchmark: cuDNN times its convolution algorithms per input shape and keeps the fastest."""
+    torch.backends.cudnn.benchmark = on
+
+
 def make_deterministic() -> None:
     """Deterministic kernels only (cuBLAS needs its workspace size fixed before its first use)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -469,11 +475,28 @@ def make_stage(config: Config, loader, device: torch.device, *, fixed_references
     """The on-device stage of `config` over `loader`: augment.* batch augmentations, then anchor.* pairing and
     masking, in train.amp's input dtype (`fixed_references`: the images of anchor.references = fixed)."""
     a, t = config.anchor, config.train
+    dtype = amp_dtype(t.amp, device) or torch.float32
+    try:
+        check_kernel(a.kernel, device, dtype)
+    except ValueError as error:
+        raise ConfigError(f"anchor.kernel = {a.kernel!r}: {error}") from None
     return AnchoringStage(
         loader, AnchoringSpec(anchored=a.enabled, alpha=a.alpha, mask_level=a.mask_level),
         references=make_reference_source(a.references, bank_size=a.bank_size, fixed=fixed_references),
-        device=device, dtype=amp_dtype(t.amp, device) or torch.float32, seed=t.seed,  # the same seed on every rank: batch masks agree
-        augment=device_augmentations(config.augment, augment_seed(t.seed, rank)))
+        device=device, dtype=dtype, seed=t.seed,  # the same seed on every rank: batch masks agree
+        augment=device_augmentations(config.augment, augment_seed(t.seed, rank)), kernel=a.kernel)
+
+
+def check_compiled_step(mode: str, device: torch.device, autocast: torch.dtype | None, processes: Processes | None):
+    """What a compiled step (train.compile = `mode`) needs of the machine, beyond trainer/config.py's checks."""
+    if mode == "step-cudagraphs" and device.type != "cuda":
+        raise ConfigError(f"train.compile = 'step-cudagraphs' needs a CUDA device (here: {device.type}): CUDA graphs "
+                          f"replay GPU work; use train.compile=step")
+    if autocast == torch.float16:
+        raise ConfigError(f"train.compile = {mode!r} with train.amp = auto on a GPU without bf16 means fp16, whose "
+                          f"gradient scaler reads the loss on the host: set train.amp=off")
+    if processes is not None and processes.several:
+        raise ConfigError(f"train.compile = {mode!r} runs in one process: under torchrun use train.compile=model")
 
 
 def make_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
@@ -481,8 +504,12 @@ def make_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Opt
     """The training step of `config`: train.amp's autocast, augment.* mixing, optim.* clipping, EMA and label
     smoothing, anchor.* targets and batch-norm handling (`forward`: e.g. the compiled model)."""
     a, g, o, t = config.anchor, config.augment, config.optim, config.train
-    return TrainStep(
+    compiled = t.compile in ("step", "step-cudagraphs")
+    if compiled:
+        check_compiled_step(t.compile, device, amp_dtype(t.amp, device), processes)
+    return (CompiledTrainStep if compiled else TrainStep)(
         model, optimizer, device=device, autocast_dtype=amp_dtype(t.amp, device), forward=forward,
+        **({"cudagraphs": t.compile == "step-cudagraphs", "backend": t.compile_backend} if compiled else {}),
         mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob,
                          seed=augment_seed(t.seed, processes.rank if processes else 0)),
         grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,

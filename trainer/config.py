@@ -20,6 +20,12 @@ from fastanchor.pipeline.loaders.registry import TRAINING_LOADERS
 
 
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")  # what torch.device is handed
+# the op's implementations by name (kernels/__init__.py `anchor(kernel=)`; "triton:VARIANT" is one of
+# kernels/anchor_triton.py's VARIANTS, tests/test_config.py holds them equal); `bench op --paths` takes the same names
+OP_KERNELS = ("torch", "triton", "triton:strided", "triton:auto", "triton:cl", "triton:cl-small", "triton:cl-big",
+              "triton:cl-rcp", "numba")
+ANCHOR_KERNELS = ("auto", *OP_KERNELS)
+COMPILE_MODES = ("off", "model", "step", "step-cudagraphs")  # trainer/step.py; docs/compile.md
 SEED_RANGE = "0 to 2**32 - 1 (numpy's seeds)"
 
 
@@ -94,6 +100,7 @@ class ModelConfig:
     drop_rate: float = option(0.0, "dropout before the classifier (timm models)")
     blurpool: bool = option(False, "anti-aliased downsampling (BlurPool, timm's aa_layer) for timm ResNets")
     init_checkpoint: str = option("", "start from these weights: a fastanchor checkpoint or a state_dict file ('' for none)")
+    stem_channels: int = option(0, "pad the first layer's input with zero channels to this many inside the layer (0: none; 8)")
 
 
 @dataclass
@@ -107,6 +114,7 @@ class AnchorConfig:
     references: str = option("derangement", "training reference source: in-batch derangement, a bank of recent samples, or a fixed set", choices=("derangement", "bank", "fixed"))
     bank_size: int = option(1024, "capacity of the device-resident reference bank (references: bank)")
     fixed_size: int = option(1000, "size of the fixed training reference set (references: fixed)")
+    kernel: str = option("auto", "implementation of the anchoring op: auto (fastest here), torch, numba, triton or triton:VARIANT", choices=ANCHOR_KERNELS)
     inference_references: int = option(256, "cap of the inference reference set saved in checkpoints: R itself up to this many, else a sample")
 
 
@@ -135,11 +143,13 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     epochs: int = option(10, "training epochs")
-    equal_labelled_steps: bool = option(False, "masking runs train epochs / (1 - anchor.alpha) epochs, the schedule stretched: as many labelled steps as an unmasked run")
+    equal_labelled_steps: bool = option(False, "train epochs / (1 - anchor.alpha) epochs, schedule stretched: the labelled steps of an unmasked run")
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     amp: str = option("auto", "mixed precision: auto (bf16 on CUDA where supported, else fp16; off on CPU), bf16, fp16, off", choices=("auto", "bf16", "fp16", "off"))
     channels_last: bool = option(True, "channels-last memory layout for the model and its input")
-    compile: bool = option(False, "torch.compile the model")
+    compile: str = option("off", "torch.compile: off, model (the network), step (the whole step, one graph), step-cudagraphs (CUDA)", choices=COMPILE_MODES)
+    compile_backend: str = option("inductor", "torch.compile backend: inductor (generates kernels); eager, aot_eager trace only", choices=("inductor", "aot_eager", "eager"))
+    cudnn_benchmark: bool = option(False, "cuDNN autotuning of convolution algorithms per input shape (torch.backends.cudnn.benchmark)")
     seed: int = option(0, "seed of weights, data order, augmentation, references and masking")
     threads: int = option(0, "torch CPU threads (0 keeps torch's default)")
     out_dir: str = option("runs", "directory under which the run directory is created")
@@ -170,7 +180,7 @@ class EvalConfig:
     num_references: int = option(10, "K references per test sample for the mean prediction and the std score (anchored models)")
     ood_references: int = option(1, "references per sample behind the anomaly scores: 1 (the paper) or K > 1 (mean logits)")
     seed: int = option(0, "seed of corruptions, of reference draws and of image subsets at evaluation")
-    shortcut_probe: str = option("id", "anchored models: top-1 on [r, x-r], [r', x-r] and [0, x-r] on the validation split (id), on it and every shift set (all), or off", choices=("off", "id", "all"))
+    shortcut_probe: str = option("id", "top-1 on [r, x-r], [r', x-r], [0, x-r] (anchored): the validation split (id), every set (all), off", choices=("off", "id", "all"))
     recalibrate_bn: int = option(0, "re-estimate BatchNorm stats on this many unmasked training batches before evaluating (0: as saved)")
     blt: bool = option(True, "also evaluate bilinear transduction (anchored models), on the sets eval.blt_sets names")
     blt_sets: str = option("all", "sets BLT runs on: the validation split only (id) or it and every shift set (all)", choices=("id", "all"))
@@ -456,6 +466,7 @@ def _embedded_checks(emb: EmbeddedConfig):
 
 def _model_checks(m: ModelConfig):
     yield "drop_rate", 0.0 <= m.drop_rate < 1.0, "a probability in [0, 1)"
+    yield "stem_channels", m.stem_channels == 0 or 3 <= m.stem_channels <= 64, "0 (no padding) or 3 to 64 channels"
 
 
 SECTION_CHECKS = {"anchor": _anchor_checks, "data": _data_checks, "optim": _optim_checks, "augment": _augment_checks,
@@ -471,10 +482,26 @@ def _named(section: str, values) -> typing.Callable[[str], str]:
     return named
 
 
+def compiled_step_limits(config: Config):
+    """What a compiled step (train.compile = step or step-cudagraphs: one graph, no host sync) cannot do, as
+    (ok, what) rows; the device's part (CUDA graphs, fp16 from amp auto, DDP) is checked where the step is built."""
+    if config.train.compile not in ("step", "step-cudagraphs"):
+        return
+    g, o, t = config.augment, config.optim, config.train
+    yield o.name == "sgd", f"updates with SGD inside the graph: optim.name = {o.name!r} expected sgd (or train.compile=model)"
+    yield t.amp != "fp16", "takes train.amp bf16 or off: fp16's gradient scaler reads the loss on the host"
+    yield t.nonfinite == "stop", "takes train.nonfinite = stop: skipping a step reads the loss on the host"
+    yield (g.mixup_alpha == 0 and g.cutmix_alpha == 0,
+           "takes no Mixup/CutMix (augment.mixup_alpha, augment.cutmix_alpha: 0): their draws happen on the host")
+    yield not t.sync_bn, "takes no train.sync_bn: one process"
+    yield (t.compile != "step-cudagraphs" or t.compile_backend == "inductor",
+           f"replays inductor's code as CUDA graphs: train.compile_backend = {t.compile_backend!r} expected inductor")
+
+
 def _agreement_checks(config: Config):
     """Options that must agree with each other, as (ok, the whole line) rules."""
-    d, a, m = config.data, config.anchor, config.model
-    yield (not (config.train.equal_labelled_steps and config.labelled_fraction == 0.0),
+    d, a, m, t = config.data, config.anchor, config.model, config.train
+    yield (not (t.equal_labelled_steps and config.labelled_fraction == 0.0),
            f"train.equal_labelled_steps = true with anchor.alpha = {a.alpha} and anchor.masked_target = 'uniform': every sample "
            f"is masked, no step carries a label; expected anchor.alpha < 1 or anchor.masked_target=label")
     yield (not (a.first_layer == "fresh" and m.pretrained),
@@ -488,6 +515,12 @@ def _agreement_checks(config: Config):
     yield (0 <= d.resolution_ramp_start_epoch <= d.resolution_ramp_end_epoch,
            f"data.resolution_ramp_start_epoch = {d.resolution_ramp_start_epoch}, data.resolution_ramp_end_epoch = "
            f"{d.resolution_ramp_end_epoch}: expected 0 <= start <= end")
+    yield (not (a.enabled and 0 < m.stem_channels < 6),
+           f"model.stem_channels = {m.stem_channels}: an anchored first layer reads 6 channels: expected 0 or 6 to 64")
+    yield (not (t.deterministic and t.cudnn_benchmark),
+           "train.cudnn_benchmark = true with train.deterministic = true: autotuning picks algorithms by timing; set one false")
+    for ok, what in compiled_step_limits(config):
+        yield ok, f"train.compile = {t.compile!r} {what}"
     yield (not (d.resolution_start or d.resolution_end) or not (a.enabled and a.references == "fixed"),
            "anchor.references = 'fixed' holds references at data.image_size: progressive resizing (data.resolution_start/end) "
            "needs derangement or bank references")

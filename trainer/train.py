@@ -26,7 +26,8 @@ import torch
 from fastanchor.pipeline.loaders.support import evaluation_is_sharded, iterate_from
 from fastanchor.progress import progress_bar, write
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.trainer.build import Training, build_training, make_deterministic, resolve_device, seed_everything
+from fastanchor.trainer.build import (Training, build_training, make_deterministic, resolve_device, seed_everything,
+                                     set_cudnn_autotuning)
 from fastanchor.trainer.checkpoint.file import checkpoint_name, remove_temporaries, set_aside_newer
 from fastanchor.trainer.config import Config, config_from_dict, with_overrides
 from fastanchor.trainer.distributed import (
@@ -77,6 +78,7 @@ def train(config: Config, resume: str | None = None) -> Path:
     Under torchrun every process runs this on its shard of the data; only rank 0 writes files.
     """
     deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    autotuning = torch.backends.cudnn.benchmark
     processes, device = start_processes(resolve_device(config.train.device), config.train.collective_timeout)
     try:
         return run_training(config, resume, processes, device)
@@ -84,6 +86,7 @@ def train(config: Config, resume: str | None = None) -> Path:
         stop_processes(processes)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(threads)
+        torch.backends.cudnn.benchmark = autotuning
 
 
 def run_training(config: Config, resume: str | None, processes: Processes, device: torch.device) -> Path:
@@ -93,6 +96,7 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
     epochs = config.epochs_to_train  # train.epochs, stretched for equal labelled steps
     if t.threads:
         torch.set_num_threads(t.threads)
+    set_cudnn_autotuning(t.cudnn_benchmark)
     if t.deterministic:
         make_deterministic()
     seed_everything(t.seed)
@@ -121,7 +125,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                           reference_origin=run.reference_origin,
                           processes=processes, device=device, keep=t.keep_checkpoints, last_good=point.path if point else None)
     at = state.restore(point.state) if point else Progress()
-    run.step.wrap(ddp=processes.several, compile=t.compile, device=device)
+    if t.compile not in ("step", "step-cudagraphs"):  # a compiled step compiles itself
+        run.step.wrap(ddp=processes.several, compile=t.compile == "model", device=device, backend=t.compile_backend)
     if processes.main:  # only rank 0 writes
         prepare_run_folder(folder, config, run, point, at)
         if point is not None and point.state["world_size"] != processes.world_size:
@@ -203,8 +208,7 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
     bar = progress_bar(iterate_from(run.loader, at.batch), initial=at.batch, total=run.steps_per_epoch,
                        desc=f"epoch {at.epoch + 1}/{epochs}", enabled=show, unit="batch", every=log_interval)
     for images, labels in bar:
-        batch = run.stage.process(images, labels)
-        loss = run.step(batch)
+        loss, batch = run.step.on(run.stage, images, labels)
         at.step, at.batch = at.step + 1, at.batch + 1
         if loss is not None:
             run.losses.add(loss, batch.labels.numel(), batch.masked, at.step)  # no device sync
@@ -213,7 +217,7 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
         run.scheduler.step()
         injected_fault(processes, at.step)  # tests only: a process killed or failing here
         stats.seen += batch.labels.numel()
-        stats.input_shape = list(batch.inputs.shape[1:])
+        stats.input_shape = batch.input_shape
         now = time.perf_counter()
         if stats.steady is None:
             stats.first_step_seconds, stats.steady = now - stats.started, (now, stats.seen)

@@ -1,21 +1,26 @@
-"""A GPU-decode loader for the benchmarks: files read by DataLoader workers, JPEGs decoded on the
-training device by torchvision (`decode_jpeg(device="cuda")`: nvJPEG), then random-resized-crop
-and flip on the device. It is the GPU decode path where DALI wheels are absent, and it keeps the
-batch contract (uint8 [B, 3, s, s] channels-last images and int64 labels on the device).
+"""The GPU-decode loader: files read by DataLoader workers, JPEGs decoded on the training device (nvJPEG, through
+TorchCodec's `decode_jpeg` where it is installed, else torchvision's), then random-resized-crop and flip (training) or
+resize and centre crop (evaluation) on the device. It keeps the batch contract (uint8 [B, 3, s, s] channels-last images
+and int64 labels on the device) and the whole Loader protocol, so `data.loader=nvjpeg` trains (a CUDA device only: the
+registry refuses it elsewhere).
+
+Order and augmentation are a function of (seed, epoch, sample) as in the torchvision loader (its `EpochSampler`): each
+sample's crop and flip are drawn from the sample's own seed, so `iter_from(batch)` resumes an epoch mid-way with the
+batches an uninterrupted epoch gives, whatever the workers, and process `rank` of `world_size` reads its shard.
 
 Two paths give the same batches for a seed (docs/notes/nvjpeg_loader_gpu.md has the cost of each):
 
-- per image (`pipelined=False`, the benchmarks' `nvjpeg`): every file's bytes a tensor of its own
+- per image (`pipelined=False`, the benchmarks' `nvjpeg-per-image`): every file's bytes a tensor of its own
   from the workers; one batched decode, then torchvision's `resized_crop` and `horizontal_flip` per
   image, all on the thread that trains, between its steps;
-- pipelined (`pipelined=True`, `nvjpeg-pipelined`): a batch's files one buffer from the workers; the
-  decode and the crops run `prefetch` batches ahead on a thread of their own and, on CUDA, on a
+- pipelined (`pipelined=True`, `nvjpeg`, what training selects): a batch's files one buffer from the workers; the
+  decode and the crops run `prefetch` (2) batches ahead on a thread of their own and, on CUDA, on a
   stream of their own, the step's stream waiting on an event; per image only the crop's resize is
   launched (the float cast and the resize torchvision runs on CUDA), the flips, rounding and the
   channels-last layout once per batch.
 
-On the CPU the same code decodes with libjpeg-turbo (torchvision's CPU decoder), which is how the
-tests exercise it; the benchmarks list it for CUDA devices only.
+On the CPU the same code decodes with libjpeg-turbo (the decoders' CPU path), which is how the
+tests exercise it. Why TorchCodec: docs/loaders.md.
 """
 
 from __future__ import annotations
@@ -28,38 +33,58 @@ import warnings
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
+from fastanchor.errors import ConfigError
 from fastanchor.pipeline.loaders.crops import random_resized_crop_box
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, IndexedFiles
-from fastanchor.pipeline.loaders.spec import LoaderSpec, checked_spec
+from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
+from fastanchor.pipeline.loaders.order import EpochSampler
 from fastanchor.pipeline.references import to_device_async
+
+try:  # TorchCodec (torchcodec >= 0.16) supersedes torchvision's image decoders, deprecated since torchvision 0.29
+    from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
+except ImportError:  # e.g. the GPU image's torch 2.11 / torchvision 0.26: torchvision's own nvJPEG decoder
+    _torchcodec_decode_jpeg = None
+
+DECODER = "torchcodec" if _torchcodec_decode_jpeg is not None else "torchvision"
 
 
 class JpegBytes(IndexedFiles):
-    """(uint8 1-D tensor of a file's bytes, label) per sample: reading only, no decoding."""
+    """(uint8 1-D tensor of a file's bytes, label, the sample's augmentation seed) per sample: reading only, no
+    decoding. A sample is asked for as (index, seed) by a shuffling `EpochSampler`, else by its index (seed 0)."""
+
+    def __getitem__(self, item):
+        index, seed = item if isinstance(item, tuple) else (item, 0)
+        path, label = self.samples[index]
+        return torch.from_numpy(np.fromfile(path, dtype=np.uint8)), int(label), seed
 
     def read(self, path: str) -> torch.Tensor:
         return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 
 
 def _keep_bytes_apart(items):
-    data, labels = zip(*items)
-    return list(data), torch.tensor(labels, dtype=torch.long)
+    data, labels, seeds = zip(*items)
+    return list(data), torch.tensor(labels, dtype=torch.long), list(seeds)
 
 
 def _bytes_in_one_buffer(items):
-    """A batch as (all files' bytes end to end, each file's length, labels): one shared-memory buffer crosses
+    """A batch as (all files' bytes end to end, each file's length, labels, seeds): one shared-memory buffer crosses
     from a worker, not one per file."""
-    data, labels = zip(*items)
-    return torch.cat(data), torch.tensor([len(d) for d in data]), torch.tensor(labels, dtype=torch.long)
+    data, labels, seeds = zip(*items)
+    return torch.cat(data), torch.tensor([len(d) for d in data]), torch.tensor(labels, dtype=torch.long), list(seeds)
 
 
-def _decode(data: list[torch.Tensor], device: torch.device, *, quiet: bool = True) -> list[torch.Tensor]:
-    """`quiet` hides torchvision >= 0.29's notice of its decoders' move to torchcodec; `catch_warnings` changes the
-    process's filters, so the producer threads of the pipelined path (two at once in `bench e2e --naive`) leave it
-    off: the notice is a DeprecationWarning, which Python shows only for code in __main__."""
+def decode_jpegs(data: list[torch.Tensor], device: torch.device, *, quiet: bool = True) -> list[torch.Tensor]:
+    """RGB uint8 [3, H, W] of each JPEG's bytes, decoded on `device` (nvJPEG on CUDA, libjpeg-turbo on the CPU), in
+    one batched call: TorchCodec's decoder where installed (`DECODER`), else torchvision's. `quiet` hides torchvision
+    >= 0.29's notice of its decoders' move to TorchCodec; `catch_warnings` changes the process's filters, so the
+    producer threads of the pipelined path (two at once in `bench e2e --naive`) leave it off: the notice is a
+    DeprecationWarning, which Python shows only for code in __main__."""
+    if _torchcodec_decode_jpeg is not None:
+        return _torchcodec_decode_jpeg(data, mode="RGB", device=device)
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     if not quiet:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     with warnings.catch_warnings():
@@ -67,27 +92,52 @@ def _decode(data: list[torch.Tensor], device: torch.device, *, quiet: bool = Tru
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
+def crop_draws(height: int, width: int, min_scale: float, seed: int) -> tuple[tuple[int, int, int, int], bool]:
+    """A training sample's random-resized-crop box and flip coin, from its own seed alone."""
+    rng = np.random.default_rng(seed)
+    box = random_resized_crop_box(height, width, min_scale, rng)
+    return box, bool(rng.uniform() < 0.5)
+
+
+def centre_box(height: int, width: int, size: int, crop_ratio: float) -> tuple[int, int, int, int]:
+    """Evaluation's geometry, torchvision's Resize(round(size / crop_ratio)) of the shorter side then CenterCrop(size):
+    (resized height, resized width, top, left of the crop)."""
+    short = round(size / crop_ratio)
+    if height <= width:
+        new_h, new_w = short, int(short * width / height)
+    else:
+        new_h, new_w = int(short * height / width), short
+    return new_h, new_w, int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+
+
 _END = object()
 
 
 class NvjpegLoader:
-    """Iterates (uint8 channels-last images [B, 3, s, s], int64 labels) decoded on the spec's device: a training
-    loader (shuffled; random-resized crop of area scale >= min_scale, flip unless `hflip` is off) with the spec's
-    batch_size, drop_last, workers and seed; one process (no shards). `pipelined` prepares `prefetch` batches ahead
-    on a thread (and CUDA stream) of its own; both paths give the same batches."""
+    """Iterates (uint8 channels-last images [B, 3, s, s], int64 labels) decoded on the spec's device. Training
+    (`spec.train`): the epoch's order and each sample's random-resized crop (area scale >= min_scale) and flip (unless
+    `hflip` is off) a function of (seed, epoch, sample); evaluation: every sample in order, resized and centre-cropped
+    by `crop_ratio`. The spec's batch_size, drop_last, workers and shard (rank, world_size). `pipelined` prepares
+    `prefetch` batches ahead on a thread (and CUDA stream) of its own; both paths give the same batches."""
 
     def __init__(self, index: ImageFolderIndex, spec: LoaderSpec, *, pipelined: bool = False, prefetch: int = 2):
         spec = checked_spec(spec)
+        spec.require_policy(("none",), "the nvJPEG loader only crops and flips; use data.loader=torchvision or dali")
+        if spec.train and spec.crop != "random_resized":
+            raise ConfigError(f"crop = {spec.crop!r}: the nvJPEG loader crops random_resized only; "
+                              f"use data.loader=torchvision for CIFAR's padded crop")
         workers = spec.workers
         self.device = torch.device(spec.device)
         self.image_size = spec.image_size
-        self.min_scale = spec.min_scale
+        self.train, self.min_scale, self.crop_ratio = spec.train, spec.min_scale, spec.crop_ratio
         self.pipelined = pipelined
         self.prefetch = max(1, prefetch)
-        self.rng = np.random.default_rng(spec.seed)  # crops and flips
         self.hflip = spec.hflip  # False: the coin is still drawn (the same crops as True), never heads
-        self.loader = DataLoader(JpegBytes(index), batch_size=spec.batch_size, shuffle=True, drop_last=spec.drop_last,
-                                 num_workers=workers, persistent_workers=workers > 0,
+        self.batch_size = spec.batch_size
+        self.sampler = EpochSampler(len(index), shuffle=spec.train, seed=spec.seed, rank=spec.rank,
+                                    world_size=spec.world_size)
+        self.loader = DataLoader(JpegBytes(index), batch_size=spec.batch_size, sampler=self.sampler,
+                                 drop_last=spec.drop_last, num_workers=workers, persistent_workers=workers > 0,
                                  collate_fn=_bytes_in_one_buffer if pipelined else _keep_bytes_apart,
                                  generator=torch.Generator().manual_seed(spec.seed),
                                  prefetch_factor=4 if workers > 0 else None)
@@ -98,27 +148,64 @@ class NvjpegLoader:
     def __iter__(self):
         return self._pipelined() if self.pipelined else self._per_image()
 
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def set_image_size(self, image_size: int) -> None:
+        """Output image_size x image_size images from the next batch prepared on (progressive resizing)."""
+        check_image_size(image_size)
+        self.image_size = image_size
+
+    def iter_from(self, first_batch: int):
+        """The current epoch from batch `first_batch` on; the files of the batches before it are not read."""
+        self.sampler.start_at(first_batch * self.batch_size)
+        return iter(self)
+
+    @property
+    def shards_evaluation(self) -> bool:
+        """Sharded evaluation reads every image exactly once over all processes (the torchvision loader's shards)."""
+        return self.sampler.world_size > 1
+
+    def box(self, image: torch.Tensor, seed: int) -> tuple[tuple[int, int, int, int], bool]:
+        """Where a training sample is cropped (top, left, height, width) and whether it is flipped."""
+        box, heads = crop_draws(image.shape[1], image.shape[2], self.min_scale, seed)
+        return box, heads and self.hflip
+
     # the per-image path ------------------------------------------------------------------------
 
     def _per_image(self):
         size = [self.image_size, self.image_size]
-        for data, labels in self.loader:
-            decoded = _decode(data, self.device)
+        for data, labels, seeds in self.loader:
+            decoded = decode_jpegs(data, self.device)
+            if not self.train:
+                yield self.centre_batch(decoded), labels.to(self.device, non_blocking=True)
+                continue
             images = torch.empty((len(decoded), 3, *size), dtype=torch.uint8, device=self.device,
                                  memory_format=torch.channels_last)
-            for i, image in enumerate(decoded):
-                top, left, height, width = random_resized_crop_box(image.shape[1], image.shape[2], self.min_scale, self.rng)
+            for i, (image, seed) in enumerate(zip(decoded, seeds)):
+                (top, left, height, width), flip = self.box(image, seed)
                 crop = F.resized_crop(image, top, left, height, width, size, antialias=True)
-                images[i] = F.horizontal_flip(crop) if self.rng.uniform() < 0.5 and self.hflip else crop
+                images[i] = F.horizontal_flip(crop) if flip else crop
             yield images, labels.to(self.device, non_blocking=True)
+
+    def centre_batch(self, decoded: list[torch.Tensor]) -> torch.Tensor:
+        """Evaluation: each image resized (shorter side round(s / crop_ratio), antialiased) and centre-cropped to s,
+        as torchvision's eval transform does on a tensor: uint8 channels-last [B, 3, s, s]."""
+        s = self.image_size
+        images = torch.empty((len(decoded), 3, s, s), dtype=torch.uint8, device=decoded[0].device,
+                             memory_format=torch.channels_last)
+        for i, image in enumerate(decoded):
+            new_h, new_w, top, left = centre_box(image.shape[1], image.shape[2], s, self.crop_ratio)
+            images[i] = F.resize(image, [new_h, new_w], antialias=True)[:, top:top + s, left:left + s]
+        return images
 
     # the pipelined path ------------------------------------------------------------------------
 
-    def crop_batch(self, decoded: list[torch.Tensor], *, float_resize: bool | None = None) -> torch.Tensor:
-        """The decoded images random-resized-cropped and flipped as the per-image path does (the same draws of
-        `self.rng`, the same pixels): uint8 channels-last [B, 3, s, s]. Where torchvision resizes uint8 in float
-        (`float_resize`; on CUDA by default) the crops are resized into a float batch that is flipped, rounded and
-        cast once; elsewhere torchvision's own uint8 resize runs per image."""
+    def crop_batch(self, decoded: list[torch.Tensor], seeds: list[int], *, float_resize: bool | None = None) -> torch.Tensor:
+        """The decoded images random-resized-cropped and flipped as the per-image path does (the same draws from
+        each sample's seed, the same pixels): uint8 channels-last [B, 3, s, s]. Where torchvision resizes uint8 in
+        float (`float_resize`; on CUDA by default) the crops are resized into a float batch that is flipped, rounded
+        and cast once; elsewhere torchvision's own uint8 resize runs per image."""
         s = self.image_size
         device = decoded[0].device
         if float_resize is None:
@@ -126,9 +213,8 @@ class NvjpegLoader:
         batch = torch.empty((len(decoded), 3, s, s), dtype=torch.float32 if float_resize else torch.uint8, device=device)
         flips = np.zeros(len(decoded), dtype=bool)
         upsample = torch._C._nn._upsample_bilinear2d_aa  # what F.interpolate(size=, mode="bilinear", antialias=True) runs
-        for i, image in enumerate(decoded):
-            top, left, height, width = random_resized_crop_box(image.shape[1], image.shape[2], self.min_scale, self.rng)
-            flips[i] = self.rng.uniform() < 0.5 and self.hflip
+        for i, (image, seed) in enumerate(zip(decoded, seeds)):
+            (top, left, height, width), flips[i] = self.box(image, seed)
             crop = image[:, top:top + height, left:left + width]
             if (height, width) == (s, s):  # torchvision returns such a crop as it is
                 batch[i] = crop
@@ -161,11 +247,11 @@ class NvjpegLoader:
         try:
             stream = torch.cuda.Stream(self.device) if cuda else None
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for data, lengths, labels in self.loader:
+                for data, lengths, labels, seeds in self.loader:
                     if stop.is_set():
                         return
-                    decoded = _decode(list(torch.split(data, lengths.tolist())), self.device, quiet=False)
-                    images = self.crop_batch(decoded)
+                    decoded = decode_jpegs(list(torch.split(data, lengths.tolist())), self.device, quiet=False)
+                    images = self.crop_batch(decoded, seeds) if self.train else self.centre_batch(decoded)
                     labels = labels.to(self.device, non_blocking=True)
                     event = torch.cuda.Event() if cuda else None
                     if event is not None:

@@ -42,6 +42,10 @@ class LoaderEntry:
         return importlib.import_module(self.maker.partition(":")[0])
 
     def make(self, source, spec, **knobs):
+        device = str(getattr(spec.device, "type", spec.device)).partition(":")[0]
+        if self.cuda_only and device != "cuda":
+            raise ConfigError(f"data.loader = {self.name!r} decodes JPEGs on a CUDA device (nvJPEG); this run's device "
+                              f"is {device}: use torchvision, ffcv or dali")
         return getattr(self.module(), self.maker.partition(":")[2])(source, spec, **{**self.knobs, **knobs})
 
     def policies(self) -> tuple[str, ...]:
@@ -64,11 +68,13 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
                 "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there", "torch",
                 decodes="once", policy_note="the memory loader crops and flips only; use data.loader=torchvision or dali"),
     LoaderEntry("nvjpeg", HERE + "nvjpeg:NvjpegLoader",
-                "DataLoader workers read files; torchvision decode_jpeg on the GPU (nvJPEG)", "torchvision",
-                decodes="device", trains=False, cuda_only=True),
-    LoaderEntry("nvjpeg-pipelined", HERE + "nvjpeg:NvjpegLoader",
-                "nvjpeg's decode and crops, prepared 2 batches ahead on a thread and CUDA stream of their own",
-                "torchvision", decodes="device", trains=False, cuda_only=True, knobs={"pipelined": True}),
+                "DataLoader workers read files; nvJPEG decode and crops 2 batches ahead on a thread and CUDA stream of "
+                "their own", "TorchCodec or torchvision", decodes="device", cuda_only=True,
+                policy_note="the nvJPEG loader only crops and flips; use data.loader=torchvision or dali",
+                knobs={"pipelined": True}),
+    LoaderEntry("nvjpeg-per-image", HERE + "nvjpeg:NvjpegLoader",
+                "DataLoader workers read files; nvJPEG decode, then crops per image between the steps",
+                "TorchCodec or torchvision", decodes="device", trains=False, cuda_only=True),
 )}
 
 

@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 from fastanchor.errors import ModelError
-from fastanchor.trainer.models.surgery import find_first_layers, set_submodule, widen_first_layer
+from fastanchor.trainer.models.surgery import find_first_layers, pad_first_layer, set_submodule, widen_first_layer
 
 TORCHVISION_PREFIX = "torchvision/"
 _TIMM_SOURCE_PREFIXES = ("hf-hub:", "hf_hub:", "local-dir:")  # timm loads these from the Hub / a folder
@@ -54,7 +54,7 @@ def check_blurpool(name: str) -> None:
 
 def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: bool = False,
                  image_size: int | None = None, blurpool: bool = False, first_layer: str = "duplicate",
-                 **kwargs) -> nn.Module:
+                 stem_channels: int = 0, **kwargs) -> nn.Module:
     """Build model `name` with `num_classes` outputs; widen its first layer to 6 channels if `anchored`.
 
     `name` is a timm model, or ``torchvision/<name>`` for a torchvision classification model.
@@ -63,7 +63,8 @@ def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: boo
     the timm factory; for torchvision models ``drop_rate`` becomes ``dropout`` where supported.
     `blurpool` builds a timm ResNet with BlurPool anti-aliasing (timm's ``aa_layer``: the strided 3x3
     convolutions of the blocks become stride 1 followed by a blurred stride-2 subsampling, and the stem's
-    max-pool likewise). `first_layer` is the anchored first layer's init (see `widen_first_layer`).
+    max-pool likewise). `first_layer` is the anchored first layer's init (see `widen_first_layer`). `stem_channels`
+    > 0 pads the first layer's input with zero channels up to that many inside the layer (`pad_first_layer`).
     The dotted name of the first layer is left in ``model.fastanchor_first_layer``.
     """
     check_model_name(name)
@@ -80,6 +81,8 @@ def create_model(name: str, num_classes: int, *, anchored: bool, pretrained: boo
         widen_first_layer(model, init=first_layer)
     else:
         model.fastanchor_first_layer = ",".join(path for path, _ in find_first_layers(model))
+    if stem_channels:
+        pad_first_layer(model, stem_channels)
     return model
 
 

@@ -11,7 +11,10 @@ The first layer is found through timm's ``pretrained_cfg["first_conv"]`` where a
 from __future__ import annotations
 
 import copy
+import functools
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -114,4 +117,47 @@ def widen_first_layer(model: nn.Module, in_chans: int = 6, init: str = "duplicat
     if getattr(model, "in_chans", None) == 3:  # timm models record their input channels
         model.in_chans = in_chans
     model.fastanchor_first_layer = ",".join(path for path, _ in layers)
+    return model
+
+
+def pad_channels(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """`x` [N, C, ...] with zero channels appended up to `channels`, in `x`'s memory layout (channels-last stays so)."""
+    padded = x.new_zeros((x.shape[0], channels, *x.shape[2:]))
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        padded = padded.contiguous(memory_format=torch.channels_last)
+    padded[:, :x.shape[1]] = x
+    return padded
+
+
+class _PaddedStem:
+    """Mixed into a first layer's own class (`pad_first_layer`): input and weight padded with zero channels up to
+    `stem_channels` inside every call, so the convolution runs with that many input channels while the layer keeps
+    its weight, its parameters' names and shapes, and its function (the zero channels add nothing)."""
+
+    stem_channels: int
+
+    def _conv_forward(self, input, weight, bias):
+        extra = self.stem_channels - weight.shape[1]
+        return super()._conv_forward(pad_channels(input, self.stem_channels),
+                                     F.pad(weight, (0, 0, 0, 0, 0, extra)), bias)
+
+
+@functools.cache
+def _padded_class(cls: type) -> type:
+    return type(f"Padded{cls.__name__}", (_PaddedStem, cls), {})
+
+
+def pad_first_layer(model: nn.Module, channels: int) -> nn.Module:
+    """Make every first layer of `model` convolve `channels` input channels: the 3 (standard) or 6 (anchored) it
+    reads, then zeros (model.stem_channels; both arms of a comparison pay the same stem). The state dict, and so every
+    checkpoint, is the unpadded model's. Returns `model`."""
+    for path, conv in find_first_layers(model):
+        if channels < conv.in_channels:
+            raise ModelError(f"stem_channels = {channels}: first layer {path!r} already reads {conv.in_channels} channels")
+        if type(conv).forward is not nn.Conv2d.forward:  # e.g. timm's StdConv2d convolves in its own forward
+            raise ModelError(f"first layer {path!r} ({type(conv).__name__}) convolves in a forward of its own: "
+                             f"it cannot be padded; set model.stem_channels=0")
+        if channels > conv.in_channels:
+            conv.__class__ = _padded_class(type(conv))
+            conv.stem_channels = channels
     return model
