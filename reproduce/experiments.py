@@ -76,8 +76,8 @@ AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; 
 
 
 def augmentation(setup: Setup, arm: str, value) -> list[str]:
-    per_image = value in ("randaugment", "trivialaugment") and setup.name.startswith("cifar")
-    return AUGMENTATIONS[value] + (["data.loader=torchvision"] if per_image else [])  # FFCV has no per-image policies
+    per_image = value in ("randaugment", "trivialaugment")  # FFCV and the memory loader have no per-image policies
+    return AUGMENTATIONS[value] + (["data.loader=torchvision"] if per_image else [])
 
 
 def label_noise(setup: Setup, arm: str, value) -> list[str]:
@@ -127,7 +127,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
              ((("auroc_msp_.+",), "MSP AUROC per OOD set (%)"),)),
         setups={"cifar": ("cifar100_resnet18",), "imagenet": ("swinv2_t", "swinv2_s", "vit_b16", "swinv2_b"),
                 "small": ("demo", "hard", "demo_resnet18")},
-        trained_by="tab1"),
+        trained_by="tab1", scales=(*PAPER_SCALES, "gpu")),
     Experiment(
         "shortcut", "the shortcut probe: does an anchored model use its reference? [r, x-r] vs [r', x-r] vs [0, x-r]",
         "Section 3 (the argument for masking)", "|R|",
@@ -137,7 +137,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         View(("shortcut_.+", "c_shortcut_.+"), "curve", ("shortcut_unchanged_by_swap", "c_shortcut_unchanged_by_swap"),
              "predictions the swapped reference leaves unchanged (%)", log_x=True),
         reference_set, setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18"), "small": ("demo", "hard", "demo_resnet18")},
-        setup_values={"demo_resnet18": (50, WHOLE)}, trained_by="fig1"),
+        setup_values={"demo_resnet18": (50, WHOLE), "gpu": (50, WHOLE)}, trained_by="fig1", scales=(*PAPER_SCALES, "gpu")),
     Experiment(
         "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
         {"tiny": (0.0, 1.0), "small": (0.0, 0.25, 0.5, 1.0, ALPHA_ONE_LABELLED), "default": (0.0, 0.25, 0.5, 0.75, 1.0)},

@@ -9,7 +9,9 @@ The prediction is arithmetic on one measured figure and stated factors, not a me
   well; an H100 has less memory bandwidth than an H200): TRAIN_RATE images/s, decoding free (the in-memory loader);
 - evaluation: EVAL_PASSES forward passes an evaluated image (ID, 9 corruptions x 5 severities, C-bar; 1,000 images
   a set) at 3 x the training rate (a forward pass is about a third of a step);
-- start-up: STARTUP_S seconds a step (model build, first-step compilation), DATA_S to generate the data once.
+- start-up: STARTUP_S seconds a step (model build, first-step autotuning), DATA_S to generate the data once.
+
+tab1 and fig1 at this scale are planned to fit one window together (tests/test_reproduce.py adds them up).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from fastanchor.reproduce.runs import Run
 MEASURED_H200_RESNET18_176 = 17_207  # images/s, anchored step (results/step-cuda-nvidia-h200.json)
 TRAIN_RATE = MEASURED_H200_RESNET18_176 * 2.0 * 0.5
 EVAL_RATE = 3 * TRAIN_RATE
-STARTUP_S = 8.0
-DATA_S = 60.0  # 30,000 + OOD images of 32 px, generated once on the device machine's CPUs
+STARTUP_S = 4.0
+DATA_S = 50.0  # 25,000 + OOD images of 32 px, generated once on the device machine's CPUs (assumed 500 images/s)
 WINDOW_S = 560.0  # one call of the device tool, with room to write the files back
 
 

@@ -137,8 +137,9 @@ def small_setups(data: str = "") -> dict[str, Setup]:
     """The small scale's setups on the embedded data: the demo recipe on its data and on the harder setting, and the
     CIFAR ResNet-18 on the demo data (bf16 autocast, as the fidelity experiment's row)."""
     common = dict(corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True)
-    demo = (f"data.root={SMALL_DATA}", "anchor.mask_level=batch")
-    hard = (f"data.root={HARD_DATA}", "anchor.mask_level=batch", *(f"embedded.{k}={v}" for k, v in HARD_EMBEDDED.items()))
+    # the in-memory loader: the split decoded once, crops and flips as batch ops (results/epochs/: faster a run here)
+    demo = (f"data.root={SMALL_DATA}", "anchor.mask_level=batch", "data.loader=memory")
+    hard = (*demo[1:], f"data.root={HARD_DATA}", *(f"embedded.{k}={v}" for k, v in HARD_EMBEDDED.items()))
     per_class = SMALL_TRAIN_IMAGES // 10
     return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, demo, **common),
             "hard": Setup("hard", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, per_class * HARD_EMBEDDED["num_classes"],
@@ -148,12 +149,12 @@ def small_setups(data: str = "") -> dict[str, Setup]:
 
 
 GPU_DATA = "data/embedded_gpu"
-GPU_EMBEDDED = dict(seed=0, num_classes=10, train_per_class=2500, val_per_class=500, ood_per_class=100)
-GPU_EPOCHS = 8  # with 25,000 training images: the plan fits one 10-minute window (reproduce/gpu_plan.py)
+GPU_EMBEDDED = dict(seed=0, num_classes=10, train_per_class=2000, val_per_class=500, ood_per_class=100)
+GPU_EPOCHS = 8  # with 20,000 training images, tab1 and fig1 together fit one 10-minute window (reproduce/gpu_plan.py)
 
 
 def gpu_setup(data: str = "") -> Setup:
-    """The gpu scale: a generated CIFAR-sized set (25,000 training images at 32 px, 10 classes) and the CIFAR
+    """The gpu scale: a generated CIFAR-sized set (20,000 training images at 32 px, 10 classes) and the CIFAR
     ResNet-18 in bf16, batch 512, the in-memory device loader; planned to fit one GPU window."""
     train = (f"data.root={data or GPU_DATA}", *(f"embedded.{k}={v}" for k, v in GPU_EMBEDDED.items()),
              "model.name=fastanchor_cifar_resnet18", "train.amp=bf16", "data.batch_size=512", "data.eval_batch_size=1024",
@@ -179,7 +180,8 @@ def folder_setup(root: Path) -> Setup:
     images = sum(1 for c in classes for f in c.iterdir() if f.is_file())
     c_files = str(root / "val-c") if (root / "val-c").is_dir() else ""
     notes = () if c_files else (("c", f"{root / 'val-c'} not found: CIFAR-10-C-strength corruptions on the fly"),)
-    train = (f"data.root={root}", "data.dataset=folder", "data.ood_split=", "data.far_ood_split=", "anchor.mask_level=batch")
+    train = (f"data.root={root}", "data.dataset=folder", "data.ood_split=", "data.far_ood_split=", "anchor.mask_level=batch",
+             "data.loader=memory")
     return Setup("folder", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, images, train, corruptions=SMALL_CORRUPTIONS,
                  c_files=c_files, c_key="eval.c_root", max_images=500, small_epochs=True, notes=notes)
 

@@ -607,3 +607,28 @@ def test_small_scale_plans_both_settings_and_the_resnet18_row_with_equal_labelle
     assert tab4["1.0-label"]["anchor.masked_target"] == "label" and tab4[0.25]["train.equal_labelled_steps"] == "true"
     for overrides in tab4.values():  # every one loads
         load_config("demo", [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_the_gpu_scale_plans_fig1_and_tab1_with_a_predicted_time():
+    """`--scale gpu --dry-run`: the CIFAR-sized plan (the CIFAR ResNet-18 on a generated 20,000-image set, the in-memory
+    loader) and its predicted seconds on one H100, from one measured figure and stated factors (reproduce/gpu_plan.py),
+    held against the window; the other experiments refuse the scale in one line."""
+    from fastanchor.reproduce.gpu_plan import DATA_S, TRAIN_RATE, WINDOW_S
+
+    out = reproduce("tab1", "--scale", "gpu", "--dry-run").stdout
+    lines = out.splitlines()
+    total = re.search(r"data (\d+) s \+ 9 runs (\d+) s = (\d+) s", out)
+    fig1 = re.search(r"data \d+ s \+ 15 runs (\d+) s", reproduce("fig1", "--scale", "gpu", "--dry-run").stdout)
+    assert DATA_S + int(total.group(2)) + int(fig1.group(1)) <= WINDOW_S  # tab1 and fig1 in one window
+    assert total and int(total.group(3)) == pytest.approx(DATA_S + int(total.group(2)), abs=1)
+    per_run = {m.group(1): int(m.group(2)) for m in re.finditer(r"#   (gpu-\w+-s\d): (\d+) s", out)}
+    assert len(per_run) == 9 and per_run["gpu-masking-s0"] > per_run["gpu-anchored-s0"]  # masking: 10 -> ... epochs
+    # anchored: 8 epochs of 20,000 images at the stated rate, plus start-up and evaluation
+    assert per_run["gpu-anchored-s0"] >= 8 * 20_000 / TRAIN_RATE
+    assert f"the {WINDOW_S:.0f} s window holds all 9 runs" in out
+    train = next(line for line in lines if line.startswith("fastanchor train"))
+    for part in ("model.name=fastanchor_cifar_resnet18", "data.loader=memory", "embedded.train_per_class=2000",
+                 "train.epochs=8", "train.amp=bf16"):
+        assert part in train
+    refused = run_main("reproduce", "tab4", "--scale", "gpu", "--dry-run")
+    assert refused.returncode == 2 and "tab4 runs at tiny, small, cifar, imagenet" in refused.stderr
