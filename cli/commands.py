@@ -93,8 +93,11 @@ def finetune_ood(options: o.FinetuneOODOptions, command: str) -> None:
 def robustness(options: o.RobustnessOptions, command: str) -> None:
     from fastanchor.evaluation.robustness import robustness_over_training
 
-    runs, chart = robustness_over_training([Path(r) for r in options.runs], options, options.device,
-                                           Path(options.plot) if options.plot else None)
+    written = robustness_over_training([Path(r) for r in options.runs], options, options.device,
+                                       Path(options.plot) if options.plot else None)
+    if written is None:  # a process other than rank 0 under torchrun: rank 0 writes and prints
+        return
+    runs, chart = written
     for run in runs:
         print(f"{run['run']}: " + ", ".join(f"epoch {e['epoch']:g} ER {round(e['effective_robustness'], 2) + 0.0:+.2f} pp"
                                             for e in run["epochs"]))
@@ -105,7 +108,9 @@ def robustness(options: o.RobustnessOptions, command: str) -> None:
 def linear_probe(options: o.LinearProbeOptions, command: str) -> None:
     from fastanchor.evaluation.linear_probe import linear_probe as probe
 
-    print(json.dumps(probe(Path(options.checkpoint), options, options.device), indent=2))
+    result = probe(Path(options.checkpoint), options, options.device)
+    if result is not None:  # None: a process other than rank 0 under torchrun (rank 0 writes and prints)
+        print(json.dumps(result, indent=2))
 
 
 def report(options: o.ReportOptions, command: str) -> None:

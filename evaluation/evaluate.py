@@ -189,6 +189,26 @@ def run_protocols(protocols: dict, loader, *, desc: str, progress: bool, taps: d
     return outputs
 
 
+def batch_share(size: int, batch_size: int, processes: Processes) -> tuple[list[int], list[int]]:
+    """This process's share of a set of `size` samples read in batches of `batch_size`: the numbers of its batches
+    (batch k to process k mod N) and their sample positions, in order."""
+    numbers = list(range(processes.rank, -(-size // batch_size), processes.world_size))
+    return numbers, [i for k in numbers for i in range(k * batch_size, min((k + 1) * batch_size, size))]
+
+
+def run_shared(protocols: dict, source, data, device: torch.device, processes: Processes, *, desc: str, progress: bool,
+               taps: dict | None = None, seed: int = 0) -> dict[str, Outputs]:
+    """`run_protocols` over one pass of `source`: a loader, read whole by this process, or a Dataset shared out
+    between the processes by whole batches (`batch_share`, read by the torchvision path with data.eval_batch_size)
+    and gathered on every process in the set's order."""
+    if not isinstance(source, Dataset):
+        return run_protocols(protocols, source, desc=desc, progress=progress, taps=taps, seed=seed)
+    numbers, samples = batch_share(len(source), data.eval_batch_size, processes)
+    mine = run_protocols(protocols, loader_for(Subset(source, samples), data, device), desc=desc, progress=progress,
+                         taps=taps, seed=seed, numbers=numbers) if samples else None
+    return in_set_order(gather_everywhere(processes, (samples, mine)))
+
+
 def run_protocol(protocol, loader, *, desc: str, progress: bool, tap: PenultimateTap | None = None, seed: int = 0) -> Outputs:
     """One protocol over a loader (`run_protocols` with one)."""
     return run_protocols({"protocol": protocol}, loader, desc=desc, progress=progress, seed=seed,
@@ -329,15 +349,8 @@ class Evaluator:
         """Every protocol over one pass of `source` (a loader, or a Dataset shared out between the processes by whole
         batches and gathered); the tap (ReAct) hooks the anomaly scores' protocol."""
         taps = {self.ood_name: tap} if tap is not None and self.ood_name in protocols else None
-        seed = self.config.eval.seed
-        if not isinstance(source, Dataset):
-            return run_protocols(protocols, source, desc=desc, progress=self.progress, taps=taps, seed=seed)
-        size, p = self.config.data.eval_batch_size, self.processes
-        numbers = list(range(p.rank, -(-len(source) // size), p.world_size))  # this process's batches of the set
-        samples = [i for k in numbers for i in range(k * size, min((k + 1) * size, len(source)))]
-        mine = run_protocols(protocols, loader_for(Subset(source, samples), self.config.data, self.device), desc=desc,
-                             progress=self.progress, taps=taps, seed=seed, numbers=numbers) if samples else None
-        return in_set_order(gather_everywhere(p, (samples, mine)))
+        return run_shared(protocols, source, self.config.data, self.device, self.processes, desc=desc,
+                          progress=self.progress, taps=taps, seed=self.config.eval.seed)
 
     def react_tap(self) -> PenultimateTap | None:
         """A tap clipping at the ReAct threshold estimated on the reference images (training images), or None

@@ -13,7 +13,8 @@ training, alpha = 0.4).
   reference draws per training image (each unmasked and masked), and the probe minimises the
   expectation of the anchored loss over those draws and the masking coin exactly:
   ``(1 - alpha) * CE(W f(r, x - r), y) + alpha * CE(W f(0, x - r), uniform)``, averaged over views.
-  Test images get one random reference (the paper's default protocol).
+  Test images get one random reference (the paper's default protocol). Each batch draws its references
+  from its own generator (`batch_generator(seed, number)`), whichever process reads it.
   For an anchored backbone the same features also give the unmasked probe (alpha = 0).
 - The objective (mean loss + l2 / 2 * ||W||^2, bias not penalised) is convex; it is solved to
   convergence by full-batch L-BFGS in float64 on standardised features, so the probe is the
@@ -21,12 +22,14 @@ training, alpha = 0.4).
   (masked rows repeated once per class with weight / C: a uniform target; tested). The features
   of all views are held in memory (N * views * 2 * D float64 values).
 
-Writes `<run>/linear_probe.json`.
+Under torchrun the processes share every set by whole batches, as `evaluate` does, and rank 0 gathers the
+features in the set's order, fits the probes and writes `<run>/linear_probe.json`: the numbers are one process's.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -37,12 +40,15 @@ import torch
 
 from fastanchor.errors import ConfigError
 from fastanchor.files import atomic_write_bytes
+from torch.utils.data import Subset
+
 from fastanchor.kernels import IMAGENET_MEAN_255, IMAGENET_STD_255, anchor, normalize
-from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.progress import progress_bar
-from fastanchor.pipeline.loaders.torchvision import Corruption
-from fastanchor.trainer.build import eval_loader, reference_images
-from fastanchor.evaluation.evaluate import checkpoint_references, reference_set_record
+from fastanchor.pipeline.loaders.torchvision import Corruption, DecodedImages, eval_transform
+from fastanchor.trainer.build import eval_loader, loader_for, reference_images
+from fastanchor.trainer.distributed import Processes, gather_to_main, start_processes, stop_processes
+from fastanchor.evaluation.evaluate import batch_generator, batch_share, checkpoint_references, reference_set_record
 from fastanchor.trainer.build import load_for_inference, resolve_device
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
 from fastanchor.evaluation.specs import ProbeSpec
@@ -67,16 +73,19 @@ def feature_extractor(model: torch.nn.Module) -> tuple[torch.nn.Module | callabl
 
 @torch.no_grad()
 def features_of(extract, loader, *, anchored: bool, pool: torch.Tensor | None, views: int, masked_too: bool,
-                generator: torch.Generator, desc: str, progress: bool) -> dict:
+                seed: int, desc: str, progress: bool, numbers=None) -> dict:
     """Features of every image for `views` reference draws: {"plain": [V, N, D], "masked": [V, N, D] | None, "labels": [N]}.
 
     Standard backbones ignore the references (one view of x). Anchored backbones see [r, x - r]
-    (and, with `masked_too`, [0, x - r] with the same r).
+    (and, with `masked_too`, [0, x - r] with the same r), the references of batch `number` of the set drawn from
+    `batch_generator(seed, number)` (`numbers`: the set's number of each batch the loader yields; 0, 1, ... by default).
     """
     plain, masked, labels = [], [], []
+    numbers = iter(numbers if numbers is not None else itertools.count())
     bar = progress_bar(loader, desc=desc, leave=False, enabled=progress, unit="batch")
     started, seen = time.perf_counter(), 0
     for images, batch_labels in bar:
+        generator = batch_generator(seed, next(numbers))
         labels.append(batch_labels.cpu())
         seen += batch_labels.numel()
         bar.set_postfix(img_s=f"{seen / (time.perf_counter() - started):.0f}")
@@ -97,6 +106,26 @@ def features_of(extract, loader, *, anchored: bool, pool: torch.Tensor | None, v
             masked.append(torch.stack(per_view_masked))
     return {"plain": torch.cat(plain, dim=1), "masked": torch.cat(masked, dim=1) if masked else None,
             "labels": torch.cat(labels)}
+
+
+def shared_features(extract, index: ImageFolderIndex, corruption: Corruption | None, data, device: torch.device,
+                    processes: Processes, **options) -> dict | None:
+    """`features_of` over a set: read whole by one process (the configured loader), or shared out between the
+    processes by whole batches (the torchvision path) and gathered on rank 0 in the set's order (None elsewhere)."""
+    if not processes.several:
+        return features_of(extract, eval_loader(data, index, device, corruption), **options)
+    dataset = DecodedImages(index, eval_transform(data.image_size, data.crop_ratio), corruption)
+    numbers, samples = batch_share(len(dataset), data.eval_batch_size, processes)
+    mine = features_of(extract, loader_for(Subset(dataset, samples), data, device), numbers=numbers,
+                       **options) if samples else None
+    parts = gather_to_main(processes, (samples, mine))
+    if parts is None:
+        return None
+    parts = [(positions, features) for positions, features in parts if features is not None]
+    order = torch.tensor([i for positions, _ in parts for i in positions]).argsort()
+    joined = lambda key, dim: torch.cat([f[key] for _, f in parts], dim).index_select(dim, order)  # noqa: E731
+    return {"plain": joined("plain", 1), "masked": joined("masked", 1) if parts[0][1]["masked"] is not None else None,
+            "labels": joined("labels", 0)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,11 +241,18 @@ def probe_references(state: dict, data, train_index, spec: ProbeSpec, anchored: 
 
 
 
-def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") -> dict:
-    """Train the standard (or anchored and unmasked) probe(s) of one checkpoint; write <run>/linear_probe.json."""
+def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") -> dict | None:
+    """Train the standard (or anchored and unmasked) probe(s) of one checkpoint; write <run>/linear_probe.json.
+    Under torchrun the processes share the sets; rank 0 fits, writes and returns the result, the others None."""
     spec.check()
-    checkpoint = Path(checkpoint)
-    target = resolve_device(device)
+    processes, target = start_processes(resolve_device(device))
+    try:
+        return probe_in_processes(Path(checkpoint), spec, target, processes)
+    finally:
+        stop_processes(processes)
+
+
+def probe_in_processes(checkpoint: Path, spec: ProbeSpec, target: torch.device, processes: Processes) -> dict | None:
     model, config, state = load_for_inference(checkpoint, target, spec.overrides)
     model.requires_grad_(False)
     anchored, d = config.anchor.enabled, config.data
@@ -232,14 +268,15 @@ def linear_probe(checkpoint: str | Path, spec: ProbeSpec, device: str = "auto") 
                      "root": str(val_index.root), "images": len(val_index)}
     pool, pool_record = probe_references(state, d, train_index, spec, anchored)
     pool = None if pool is None else pool.to(target)
-    generator = torch.Generator().manual_seed(spec.seed)
-    common = {"anchored": anchored, "pool": pool, "generator": generator, "progress": config.train.progress}
-    train = features_of(extract, eval_loader(d, train_index, target), views=spec.views, masked_too=anchored,
-                        desc="probe features: train", **common)
-    val = features_of(extract, eval_loader(d, val_index, target), views=1, masked_too=False,
-                      desc="probe features: val", **common)
-    shift = features_of(extract, eval_loader(d, shift_index, target, corruption), views=1, masked_too=False,
-                        desc="probe features: shift", **common)
+    common = {"anchored": anchored, "pool": pool, "seed": spec.seed, "progress": config.train.progress and processes.main}
+    train = shared_features(extract, train_index, None, d, target, processes, views=spec.views, masked_too=anchored,
+                            desc="probe features: train", **common)
+    val = shared_features(extract, val_index, None, d, target, processes, views=1, masked_too=False,
+                          desc="probe features: val", **common)
+    shift = shared_features(extract, shift_index, corruption, d, target, processes, views=1, masked_too=False,
+                            desc="probe features: shift", **common)
+    if not processes.main:
+        return None
 
     settings = {"standard": 0.0} if not anchored else {"anchored": spec.alpha, "anchored_no_masking": 0.0}
     probes = {}

@@ -6,6 +6,9 @@ Writes `<run>/robustness_over_training.json` for every run, `<run>/robustness_ov
 beside it (which examples each checkpoint gets right, one boolean row per checkpoint and set), and
 one chart with all runs.
 
+Under torchrun every set is shared out between the processes by whole batches and gathered in its order, as
+`evaluate` does (evaluation/evaluate.py): the numbers are one process's; rank 0 writes and prints.
+
 The OOD set is either an ImageFolder tree (`ood_root`; when it holds only some of the classes,
 predictions are restricted to those, the ImageNet-R protocol, and the ID accuracy is measured on the
 ID images of those classes with the same restriction: Andreassen et al.'s "subclassed" accuracy) or
@@ -33,8 +36,10 @@ from fastanchor.files import atomic_write_bytes, output_folder, read_npz
 from fastanchor.pipeline.shifts.corruptions import CORRUPTIONS, check_corruption_names
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.references import FixedReferenceSet
-from fastanchor.pipeline.loaders.torchvision import Corruption
+from fastanchor.pipeline.loaders.torchvision import Corruption, DecodedImages, eval_transform
 from fastanchor.trainer.build import eval_loader
+from fastanchor.trainer.distributed import Processes, on_main, start_processes, stop_processes
+from fastanchor.trainer.predict import predict
 from fastanchor.trainer.checkpoint.file import list_checkpoints, run_order
 from fastanchor.evaluation.effective_robustness import (
     TESTBED_FITS,
@@ -52,7 +57,7 @@ from fastanchor.evaluation.effective_robustness import (
     solved_among,
     unsolved_by_testbed,
 )
-from fastanchor.evaluation.evaluate import checkpoint_references, collect
+from fastanchor.evaluation.evaluate import checkpoint_references, run_shared
 from fastanchor.trainer.build import load_for_inference, resolve_device
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
 from fastanchor.evaluation.specs import DEFAULT_BASELINE, RobustnessSpec
@@ -78,7 +83,7 @@ def check_spec(spec: RobustnessSpec) -> None:
         testbed_baseline(Path(argument), spec.transform)  # a testbed that cannot give a line: said before any run
 
 
-def run_checkpoints(run_dir: Path) -> list[Path]:
+def run_checkpoints(run_dir: Path, say=print) -> list[Path]:
     """Every checkpoint of a run in run order: mid-epoch ones (train.checkpoint_interval) and epoch ends."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -88,8 +93,8 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
         raise DataError(f"run directory '{run_dir}' has no checkpoints: expected checkpoints/epoch_XXX.pt "
                         f"(and mid_epoch_XXX_step_XXXXXXXX.pt)")
     if run_order(found[0].name)[0] > 1:  # train.keep_checkpoints deleted the first epoch's: the curve starts later
-        print(f"{run_dir.name}: its checkpoints start at {found[0].name}, the earlier ones deleted by "
-              f"train.keep_checkpoints; train with --set train.keep_checkpoints=0 to measure the whole run", flush=True)
+        say(f"{run_dir.name}: its checkpoints start at {found[0].name}, the earlier ones deleted by "
+            f"train.keep_checkpoints; train with --set train.keep_checkpoints=0 to measure the whole run")
     return found
 
 
@@ -227,19 +232,25 @@ def set_digest(index: ImageFolderIndex, rows: list[int] | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
-def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.device) -> tuple[dict, dict, dict]:
+def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.device,
+                             processes: Processes = Processes()) -> tuple[dict, dict, dict]:
     """ID and OOD top-1 of one checkpoint: (its record, a description of the run and its sets, which examples
-    it gets right: {"id": bool array, "ood": bool array})."""
+    it gets right: {"id": bool array, "ood": bool array}); several processes share every set out (the torchvision
+    path) and each gets the whole result."""
     model, config, state = load_for_inference(path, device, spec.overrides)
-    progress = config.train.progress
+    progress = config.train.progress and processes.main
     anchored, d, e = config.anchor.enabled, config.data, config.eval
     classes = tuple(state["classes"])
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
     id_index = scan_image_folder(spec.id_root or Path(d.root) / d.val_split, classes)
 
     def run(index: ImageFolderIndex, corruption: Corruption | None, desc: str) -> dict:
-        return collect(model, eval_loader(d, index, device, corruption), anchored=anchored, references=references,
-                       num_references=1, seed=e.seed, desc=desc, progress=progress)
+        source = (DecodedImages(index, eval_transform(d.image_size, d.crop_ratio), corruption) if processes.several
+                  else eval_loader(d, index, device, corruption))
+        protocol = {"one_reference": lambda images, generator: predict(model, images, anchored=anchored, references=references,
+                                                                      num_references=1, generator=generator)}
+        out = run_shared(protocol, source, d, device, processes, desc=desc, progress=progress, seed=e.seed)["one_reference"]
+        return {"logits": out.logits, "labels": out.labels}
 
     steps_per_epoch, step = state["steps_per_epoch"], state["step"]
     record = {"epoch": round(step / steps_per_epoch, 4), "step": step,
@@ -375,22 +386,25 @@ class EvaluationCache:
 
 
 def evaluate_run(run_dir: Path, spec: RobustnessSpec, device: torch.device,
-                 fingerprints: dict | None = None) -> tuple[dict, dict]:
+                 fingerprints: dict | None = None, processes: Processes = Processes()) -> tuple[dict, dict]:
     """ID and OOD top-1 of every checkpoint of one run, and which examples each gets right
     ({"id": bool [checkpoints, examples], "ood": ...}); checkpoints measured before with the same options are read
-    back from the run's cache, the others are measured and cached as soon as each is done."""
+    back from the run's cache, the others are measured and cached as soon as each is done (rank 0 reads and writes
+    the cache; every process gets the same records)."""
+    say = lambda text: print(text, flush=True) if processes.main else None  # noqa: E731
     records, about, rows = [], {}, {"id": [], "ood": []}
     cache = EvaluationCache(run_dir, evaluation_options(spec, device), {} if fingerprints is None else fingerprints)
-    for path in run_checkpoints(run_dir):
-        cached, why = cache.read(path)
+    for path in run_checkpoints(run_dir, say):
+        cached, why = on_main(processes, lambda: cache.read(path))  # noqa: B023 (called at once)
         if cached is not None:
             record, about, hits = cached
-            print(f"{Path(run_dir).name}/{path.name}: reused (cached in {cache.entry(path)})", flush=True)
+            say(f"{Path(run_dir).name}/{path.name}: reused (cached in {cache.entry(path)})")
         else:
-            record, about, hits = evaluate_checkpoint_sets(path, spec, device)
+            record, about, hits = evaluate_checkpoint_sets(path, spec, device, processes)
             record, about = json.loads(json.dumps(record)), json.loads(json.dumps(about))  # as a reuse reads them
-            cache.write(path, record, about, hits)
-            print(f"{Path(run_dir).name}/{path.name}: evaluated" + (f" ({why})" if why else ""), flush=True)
+            if processes.main:
+                cache.write(path, record, about, hits)
+            say(f"{Path(run_dir).name}/{path.name}: evaluated" + (f" ({why})" if why else ""))
         records.append(record)
         for key in rows:
             rows[key].append(hits[key])
@@ -459,19 +473,29 @@ def write_correctness(path: Path, run: dict, correctness: dict) -> None:
 
 
 def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device: str = "auto",
-                             chart: Path | None = None) -> tuple[list[dict], Path]:
-    """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart."""
-    from fastanchor.evaluation.plots import effective_robustness_chart, run_label, write_png
-
+                             chart: Path | None = None) -> tuple[list[dict], Path] | None:
+    """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart. Under
+    torchrun the processes share every set; rank 0 writes and returns (runs, chart), the others None."""
     check_spec(spec)
     chart = Path(chart) if chart else default_chart_path(run_dirs)
     output_folder(chart, "--plot", file=True)
     names = [Path(r).name for r in run_dirs]
     if len(set(names)) != len(names):
         raise ConfigError(f"runs {names}: the run directories need different names (they label the chart)")
-    target = resolve_device(device)
-    fingerprints = {}  # the data folders' digests, taken once per invocation
-    evaluated = [evaluate_run(Path(r), spec, target, fingerprints) for r in run_dirs]
+    processes, target = start_processes(resolve_device(device))
+    try:
+        fingerprints = {}  # the data folders' digests, taken once per invocation
+        evaluated = [evaluate_run(Path(r), spec, target, fingerprints, processes) for r in run_dirs]
+    finally:
+        stop_processes(processes)
+    return write_robustness(run_dirs, spec, chart, evaluated) if processes.main else None
+
+
+def write_robustness(run_dirs: list[Path], spec: RobustnessSpec, chart: Path,
+                     evaluated: list[tuple[dict, dict]]) -> tuple[list[dict], Path]:
+    """The baseline and ER of every evaluated run, each run's JSON and .npz, and the joint chart."""
+    from fastanchor.evaluation.plots import effective_robustness_chart, run_label, write_png
+
     runs = [run for run, _ in evaluated]
     for run in runs[1:]:
         if pair_key(run) != pair_key(runs[0]):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy
 import pytest
 import torch
 
@@ -236,3 +237,65 @@ def test_sharded_torchvision_batches_match_one_process_image_for_image(tiny_data
         assert sorted(torch.cat([p[1] for p in parts]).tolist()) == sorted(labels.tolist())
     tail = batches(16, first=1)
     assert len(tail) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(tail, one[1:]))
+
+
+@pytest.fixture(scope="module")
+def anchored_run(tiny_dataset, tmp_path_factory):
+    """An anchored run of one epoch (3 steps) with a mid-epoch checkpoint: robustness's and linear-probe's input."""
+    root = tmp_path_factory.mktemp("anchored")
+    trained = run_main("train", *tiny_overrides(tiny_dataset, root, **{
+        "model.name": "test_efficientnet_gn", "train.run_name": "run", "train.checkpoint_interval": 2, "train.threads": 1}))
+    assert trained.returncode == 0, trained.stderr
+    return root / "run"
+
+
+def one_process(*args) -> None:
+    """`fastanchor ARGS` in this process with one thread, as torchrun's processes (OMP_NUM_THREADS=1): the same
+    float summation order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run_main(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.returncode == 0, result.stderr
+
+
+def test_two_processes_measure_robustness_to_one_process_numbers(anchored_run, tmp_path):
+    """Every checkpoint's ID and corrupted sets (batches of 5) shared by 2 processes: one process's
+    robustness_over_training.json, metric by metric, and its per-example correctness; rank 1 prints nothing."""
+    runs = {n: shutil.copytree(anchored_run, tmp_path / n / "run", symlinks=True) for n in ("two", "one")}
+    settings = ["--corruption", "contrast", "--baseline", "line:1,0", "--set", "data.eval_batch_size=5"]
+    # (`--`: torchrun's own parser would take --run for an abbreviation of its --run-path)
+    result = torchrun(2, "--", "robustness", "--run", runs["two"], *settings)
+    assert result.stdout.count(": evaluated") == 2  # the two checkpoints, said once (by rank 0)
+    one_process("robustness", "--run", runs["one"], *settings)
+    two, one = (json.loads((runs[n] / "robustness_over_training.json").read_text()) for n in ("two", "one"))
+    assert len(one["epochs"]) == 2 and one["id_set"]["images"] == 24
+    numbers_one, numbers_two = metrics_of(one), metrics_of(two)
+    assert numbers_two.keys() == numbers_one.keys() and len(numbers_one) > 20
+    for key, value in numbers_one.items():
+        assert numbers_two[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    with numpy.load(runs["two"] / "robustness_over_training.npz") as a, numpy.load(runs["one"] / "robustness_over_training.npz") as b:
+        for key in ("id_correct", "ood_correct"):
+            assert a[key].shape == (2, 24) and (a[key] == b[key]).all(), key
+
+
+def test_two_processes_fit_the_linear_probe_of_one_process(anchored_run, tmp_path):
+    """The anchored probe's features (2 reference draws per training image, masked and not; the val and corrupted
+    sets) read by 2 processes in batches of 5 and gathered: one process's linear_probe.json, number by number."""
+    checkpoint = anchored_run / "final.pt"
+    settings = ["--views", "2", "--set", "data.eval_batch_size=5"]
+    result = torchrun(2, "linear-probe", "--checkpoint", checkpoint, *settings)
+    assert result.stdout.count('"probes"') == 1  # printed by rank 0 only
+    written = anchored_run / "linear_probe.json"
+    two = json.loads(written.read_text())
+    written.unlink()
+    one_process("linear-probe", "--checkpoint", checkpoint, *settings)
+    one = json.loads(written.read_text())
+    written.unlink()
+    assert set(one["probes"]) == {"anchored", "anchored_no_masking"} and one["train_set"]["images"] == 48
+    numbers_one, numbers_two = metrics_of(one), metrics_of(two)
+    assert numbers_two.keys() == numbers_one.keys() and len(numbers_one) > 10
+    for key, value in numbers_one.items():
+        assert numbers_two[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

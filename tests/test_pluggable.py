@@ -1,7 +1,12 @@
 """The public API `fastanchor.pipeline.anchored` driving other people's training code: the README
 example (run verbatim), a PyTorch Lightning Trainer, and a DALI iterator; plus its batch forms."""
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +102,41 @@ def test_lightning_trainer_fits_a_module_through_the_api(tiny_dataset):
             want = F.nll_loss(log_p, targets)
         torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
     assert 0 < masked_batches < 6
+
+
+@pytest.mark.slow  # two processes started by Lightning, three fits: about 40 s on a loaded 2-core machine
+def test_lightning_ddp_gives_each_process_its_half_and_a_checkpoint_restores_the_stage(tiny_dataset, tmp_path):
+    """tests/lightning_ddp.py: `anchored(DataLoader(shuffle=True))` under Trainer(devices=2, strategy="ddp") on the
+    CPU. Each process reads its half of each epoch as torch's DistributedSampler splits it (seeded by the stage's
+    seed and the epoch Lightning sets); resumed from the first epoch's Lightning checkpoint, the stage (its
+    callback state: masking generator, each process's reference bank) gives the uninterrupted run's next batches,
+    input for input, which a fresh stage does not."""
+    script = Path(__file__).with_name("lightning_ddp.py")
+    with subprocess.Popen([sys.executable, str(script), str(tiny_dataset), str(tmp_path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as launched:
+        try:
+            out, _ = launched.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(launched.pid, signal.SIGKILL)  # the script and the process Lightning started
+            raise
+    assert launched.returncode == 0, out[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    images = ranks[0]["images"]
+    for epoch in (0, 1):
+        order = torch.randperm(images, generator=torch.Generator().manual_seed(3 + epoch)).tolist()  # DistributedSampler's
+        for rank, record in enumerate(ranks):
+            batches = [b["samples"] for b in record["whole"] if b["epoch"] == epoch]
+            mine = order[rank::2]
+            assert batches == [mine[i:i + 8] for i in range(0, len(mine), 8)], (epoch, rank)
+        halves = [{s for b in record["whole"] if b["epoch"] == epoch for s in b["samples"]} for record in ranks]
+        assert not halves[0] & halves[1] and halves[0] | halves[1] == set(range(images))
+    for record in ranks:
+        second = [b for b in record["whole"] if b["epoch"] == 1]
+        assert len(second) == 3 and any(b["masked"] for b in record["whole"]) and not all(b["masked"] for b in record["whole"])
+        assert record["resumed"] == second  # the same samples, masks and network inputs (bank and generator restored)
+        control = record["control"]
+        assert [b["samples"] for b in control] == [b["samples"] for b in second]
+        assert [b["inputs"] for b in control] != [b["inputs"] for b in second]  # a fresh stage pairs otherwise
 
 
 def test_float_tensors_from_to_tensor_become_the_same_uint8_batches(tiny_dataset):

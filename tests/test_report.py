@@ -152,8 +152,7 @@ def probe_features(runs, kind, views):
     val_index = scan_image_folder(Path(config.data.root) / config.data.val_split, train_index.classes)
     anchored = config.anchor.enabled
     pool = state["reference_images"] if anchored else None  # the command's pool on the run's own training split
-    generator = torch.Generator().manual_seed(0)
-    common = {"anchored": anchored, "pool": pool, "generator": generator, "desc": "", "progress": False}
+    common = {"anchored": anchored, "pool": pool, "seed": 0, "desc": "", "progress": False}
     train = features_of(extract, eval_loader(config.data, train_index, torch.device("cpu")), views=views,
                         masked_too=anchored, **common)
     val = features_of(extract, eval_loader(config.data, val_index, torch.device("cpu")), views=1, masked_too=False, **common)
