@@ -137,7 +137,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
         return {"tiny": Setup("tiny", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, whole, train, ood_split=True,
                               max_images=16, few=True)}
     if scale == "small":
-        train = (f"data.root={data or SMALL_DATA}", "anchor.mask_level=batch")
+        train = (f"data.root={data or SMALL_DATA}", "anchor.mask_level=batch", "data.loader=memory")
         return {"demo": Setup("demo", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, SMALL_TRAIN_IMAGES, train,
                               corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True)}
     root = Path(data)
