@@ -134,7 +134,7 @@ def _ood_sets(root: Path, names: tuple[str, ...], notes: list) -> tuple[str, ...
     return found
 
 
-def small_setups(data: str = "") -> dict[str, Setup]:
+def small_setups() -> dict[str, Setup]:
     """The small scale's setups on the embedded data: the demo recipe on its data and on the harder setting, and the
     CIFAR ResNet-18 on the demo data (bf16 autocast, as the fidelity experiment's row)."""
     common = dict(corruptions=SMALL_CORRUPTIONS, ood_split=True, max_images=500, small_epochs=True)
@@ -200,7 +200,7 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
     if scale == "gpu":
         return {"gpu": gpu_setup(data)}
     if scale == "small":
-        return {**small_setups(data)} if not data else {"folder": folder_setup(Path(data))}
+        return small_setups() if not data else {"folder": folder_setup(Path(data))}
     root = Path(data)
     found: dict[str, Setup] = {}
     if scale == "cifar":

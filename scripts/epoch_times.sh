@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Epoch time of the demo recipe (the small reproduction scale's) through two loaders: `fastanchor train --epochs N`
 # as a user runs it, REPS times per loader, interleaved (A B A B ...), each run timed whole (start-up, N epochs with
-# their validation, the final checkpoint). Writes results/epochs/epoch-times-demo.{json,md}: every run's wall time,
+# their validation, the final checkpoint). Writes results/small-scale/epoch-times-demo-<N>ep[-seeds].{json,md}: every run's wall time,
 # its epochs' training images/s (metrics.jsonl, the first step excluded) and validation top-1, and the medians.
 #
 #   scripts/epoch_times.sh                       # torchvision against memory, 2 epochs, 3 runs each
-#   LOADERS="torchvision memory" EPOCHS=6 REPS=1 scripts/epoch_times.sh
+#   EPOCHS=6 SEEDS=1 scripts/epoch_times.sh      # 6 epochs, repetition k with train.seed=k-1: the loaders' accuracy
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), LOADERS, EPOCHS, REPS, RUNS (the run folders,
-# default runs/epoch-times), OUT (default results/epochs), SUMMARISE_ONLY=1 (summarise RUNS without training).
+# default runs/epoch-times), OUT (default results/small-scale), SEEDS=1 (repetition k trains with train.seed=k-1; else the
+# recipe's seed every time), SUMMARISE_ONLY=1 (summarise RUNS without training).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -16,7 +17,7 @@ LOADERS=${LOADERS:-torchvision memory}
 EPOCHS=${EPOCHS:-2}
 REPS=${REPS:-3}
 RUNS=${RUNS:-runs/epoch-times}
-OUT=${OUT:-results/epochs}
+OUT=${OUT:-results/small-scale}
 
 if [[ -z ${SUMMARISE_ONLY:-} ]]; then
     mkdir -p "$RUNS"
@@ -26,8 +27,10 @@ if [[ -z ${SUMMARISE_ONLY:-} ]]; then
             rm -rf "${RUNS:?}/$name"
             load=$(cut -d' ' -f1 /proc/loadavg)
             start=$(date +%s.%N)
+            seed=()
+            [[ -n ${SEEDS:-} ]] && seed=(--set train.seed=$((rep - 1)))
             "$PYTHON" -m fastanchor train --epochs "$EPOCHS" --set train.out_dir="$RUNS" --set train.run_name="$name" \
-                --set train.progress=false --set data.loader="$loader" > "$RUNS/$name.log" 2>&1
+                --set train.progress=false --set data.loader="$loader" "${seed[@]}" > "$RUNS/$name.log" 2>&1
             end=$(date +%s.%N)
             printf '{"wall_seconds": %s, "load_average_at_start": %s, "load_average_at_end": %s}\n' \
                 "$(echo "$end - $start" | bc)" "$load" "$(cut -d' ' -f1 /proc/loadavg)" > "$RUNS/$name/wall.json"
@@ -35,7 +38,7 @@ if [[ -z ${SUMMARISE_ONLY:-} ]]; then
     done
 fi
 
-"$PYTHON" - "$RUNS" "$OUT" "$EPOCHS" "$LOADERS" <<'EOF'
+"$PYTHON" - "$RUNS" "$OUT" "$EPOCHS" "$LOADERS" "${SEEDS:-}" <<'EOF'
 """Summarise the run folders into epoch-times-demo.json and .md (medians per loader)."""
 import json
 import statistics
@@ -45,9 +48,10 @@ from pathlib import Path
 
 from fastanchor.files import atomic_write_bytes
 
-runs, out, epochs, loaders = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split()
+runs, out, epochs, loaders, seeds = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(), sys.argv[5]
 commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-record = {"command": f"LOADERS=\"{' '.join(loaders)}\" EPOCHS={epochs} scripts/epoch_times.sh", "git_commit": commit,
+seeding = " SEEDS=1" if seeds else ""
+record = {"command": f"LOADERS=\"{' '.join(loaders)}\" EPOCHS={epochs}{seeding} scripts/epoch_times.sh", "git_commit": commit,
           "recipe": "demo", "epochs": epochs, "runs": {}, "medians": {}}
 for loader in loaders:
     folders = sorted(runs.glob(f"{loader}-r*/"))
@@ -74,7 +78,7 @@ lines += ["", "| run | wall s | load average at start, end | train images/s per 
 lines += [f"| {name} | {r['wall_seconds']:.1f} | {r['load_average_at_start']}, {r['load_average_at_end']} | "
           f"{', '.join(map(str, r['train_images_per_s']))} | {', '.join(map(str, r['val_top1']))} |"
           for name, r in record["runs"].items()]
-tag = f"epoch-times-demo-{epochs}ep"
+tag = f"epoch-times-demo-{epochs}ep" + ("-seeds" if seeds else "")
 atomic_write_bytes(out / f"{tag}.json", lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
 atomic_write_bytes(out / f"{tag}.md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
 print(f"written: {out / tag}.json, .md")
