@@ -181,8 +181,8 @@ def folder_setup(root: Path) -> Setup:
     images = sum(1 for c in classes for f in c.iterdir() if f.is_file())
     c_files = str(root / "val-c") if (root / "val-c").is_dir() else ""
     notes = () if c_files else (("c", f"{root / 'val-c'} not found: CIFAR-10-C-strength corruptions on the fly"),)
-    train = (f"data.root={root}", "data.dataset=folder", "data.ood_split=", "data.far_ood_split=", "anchor.mask_level=batch",
-             "data.loader=memory")
+    # the torchvision loader: any ImageFolder tree (the memory loader needs one image size)
+    train = (f"data.root={root}", "data.dataset=folder", "data.ood_split=", "data.far_ood_split=", "anchor.mask_level=batch")
     return Setup("folder", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, images, train, corruptions=SMALL_CORRUPTIONS,
                  c_files=c_files, c_key="eval.c_root", max_images=500, small_epochs=True, notes=notes)
 
