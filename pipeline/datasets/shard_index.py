@@ -23,7 +23,7 @@ import numpy as np
 
 from fastanchor.errors import DataError
 from fastanchor.files import atomic_write_bytes
-from fastanchor.pipeline.datasets.shards import IMAGE_KEYS, ShardSet, file_sha256, is_url
+from fastanchor.pipeline.datasets.shards import IMAGE_KEYS, Shard, ShardSet, file_sha256, is_url
 
 INDEX_FOLDER = "dali-index"
 VERSION = "v1.2"
@@ -53,6 +53,10 @@ def write_index(shards: ShardSet, position: int, path: Path) -> None:
     tar_path = Path(shards.url(shard))
     try:
         size, digest = tar_path.stat().st_size, file_sha256(tar_path)
+        if (size, digest) != (shard.bytes, shard.sha256):
+            raise DataError(f"shard '{tar_path}' does not match its manifest ({size} bytes, sha256 {digest[:16]}..., "
+                            f"expected {shard.bytes} bytes, {shard.sha256[:16]}...): it is corrupted or was rewritten; "
+                            f"write the shards again")
         members: dict[str, list[str]] = {}
         with tarfile.open(tar_path) as tar:
             for member in tar:
@@ -64,10 +68,6 @@ def write_index(shards: ShardSet, position: int, path: Path) -> None:
     except (OSError, tarfile.TarError) as error:
         raise DataError(f"shard '{tar_path}' cannot be read ({type(error).__name__}: {error}): write the shards "
                         f"again") from None
-    if (size, digest) != (shard.bytes, shard.sha256):
-        raise DataError(f"shard '{tar_path}' does not match its manifest ({size} bytes, sha256 {digest[:16]}..., expected "
-                        f"{shard.bytes} bytes, {shard.sha256[:16]}...): it is corrupted or was rewritten; write the "
-                        f"shards again")
     lines = []
     for key in range(shard.offset, shard.offset + shard.count):
         found = members.get(f"{key:09d}", [])
@@ -81,17 +81,28 @@ def write_index(shards: ShardSet, position: int, path: Path) -> None:
         raise DataError(f"cannot write DALI's index of '{tar_path}' to '{path}': {error.strerror or error}") from None
 
 
-def read_index(path: Path, count: int) -> list[str]:
-    """The `count` sample lines of the index file at `path` (DataError naming it when it is not such a file)."""
+def read_index(path: Path, shard: Shard) -> list[str]:
+    """The sample lines of `shard`'s index file at `path`, once each is known to list that sample's members at
+    tar block boundaries (DataError naming the file otherwise: DALI would read other bytes, or name its copy)."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"DALI index '{path}' cannot be read ({type(error).__name__}): delete it to have it built "
                         f"again") from None
-    if not lines or lines[0] != f"{VERSION} {count}" or len(lines) != count + 1:
-        raise DataError(f"DALI index '{path}' is not the index of a shard of {count} samples: delete it to have it "
-                        f"built again")
+    if lines[:1] != [f"{VERSION} {shard.count}"] or len(lines) != shard.count + 1 or not all(
+            _lists_sample(line, f"{key:09d}.") for key, line in enumerate(lines[1:], start=shard.offset)):
+        raise DataError(f"DALI index '{path}' is not the index of shard '{shard.name}' ({shard.count} samples): delete "
+                        f"it to have it built again")
     return lines[1:]
+
+
+def _lists_sample(line: str, prefix: str) -> bool:
+    """Whether `line` is groups of `<ext> <offset> <size> <name>`, offsets at tar blocks, names of the sample."""
+    parts = line.split(" ")
+    groups = [parts[i:i + 4] for i in range(0, len(parts), 4)]
+    return bool(parts) and len(parts) % 4 == 0 and all(
+        offset.isdigit() and size.isdigit() and int(offset) % 512 == 0 and name == prefix + extension
+        for extension, offset, size, name in groups)
 
 
 def epoch_listing(shards: ShardSet, indexes: list[Path], keys: np.ndarray, folder: Path) -> tuple[list[str], list[str]]:
@@ -103,7 +114,7 @@ def epoch_listing(shards: ShardSet, indexes: list[Path], keys: np.ndarray, folde
         position = int(where[keys[start]])
         shard = shards.shards[position]
         if position not in cached:
-            cached[position] = read_index(indexes[position], shard.count)
+            cached[position] = read_index(indexes[position], shard)
         lines = [cached[position][key - shard.offset] for key in keys[start:stop].tolist()]
         index_file = Path(folder) / f"{number:06d}.idx"
         index_file.write_text(f"{VERSION} {len(lines)}\n" + "".join(line + "\n" for line in lines))
