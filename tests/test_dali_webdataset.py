@@ -170,3 +170,18 @@ def test_bad_indexes_corrupted_shards_and_urls_are_one_line(prepared, served, tm
         registry.make(LOADER, read_shard_set(f"{served}/train"), spec())
     with pytest.raises(ConfigError, match="has 5 shard\\(s\\) for 8 training processes"):
         registry.make(LOADER, read_shard_set(prepared / "wds" / "train"), spec(rank=0, world_size=8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed (nvJPEG) decoding needs a CUDA GPU")
+def test_mixed_decoding_over_shards_is_dali_over_the_files_on_cuda(prepared):
+    """Not yet run (developed on a CPU-only machine): on CUDA both readers feed the same nvJPEG decoding, so the
+    batches should be equal as on the CPU; the labels, made from the keys on the host, move to the device."""
+    shards = read_shard_set(prepared / "wds" / "val")
+    got = list(registry.make(LOADER, shards, spec(train=False, device="cuda")))
+    expected = list(registry.make("dali", scan_image_folder(prepared / "val"), spec(train=False, device="cuda")))
+    for (images, labels), (want_images, want_labels) in zip(got, expected, strict=True):
+        assert images.device.type == labels.device.type == "cuda" and labels.dtype == torch.int64
+        assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+    train = list(registry.make(LOADER, read_shard_set(prepared / "wds" / "train"), spec(device="cuda")))
+    assert sorted(torch.cat([labels for _, labels in train]).tolist()) == sorted(
+        read_shard_set(prepared / "wds" / "train").labels.tolist())
