@@ -17,14 +17,15 @@ from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 def prepare(options: o.PrepareOptions, command: str) -> None:
     from fastanchor.pipeline.beton.audit import audit_image_folder
+    from fastanchor.pipeline.loaders.registry import reads_shards
     from fastanchor.trainer.build import beton_path, ensure_beton, ensure_dataset, ensure_shards, shards_folder
 
     if not options.shard_size >= 1:
         raise ConfigError(f"--shard-size = {options.shard_size}: expected a positive integer (samples per shard)")
     config = options.load()
-    if config.data.loader == "webdataset":
-        raise ConfigError("prepare writes from an ImageFolder tree: data.loader = 'webdataset' reads shards; "
-                          "leave data.loader as it is when preparing")
+    if reads_shards(config.data.loader):
+        raise ConfigError(f"prepare writes from an ImageFolder tree: data.loader = '{config.data.loader}' reads shards; "
+                          f"leave data.loader as it is when preparing")
     root = ensure_dataset(config, progress=config.train.progress)
     print(f"dataset ready in {root}")
     if options.format == "imagefolder":
@@ -48,7 +49,8 @@ def prepare(options: o.PrepareOptions, command: str) -> None:
             written = ensure_shards(d, index, split, options.shard_size, progress=config.train.progress)
         print(f"{split}: {written} ({len(index)} images; report {report_path})")
     if options.format == "wds":
-        print(f"train from the shards with --set data.loader=webdataset --set data.root={shards_folder(d, '')}")
+        print(f"train from the shards with --set data.loader=webdataset (or dali-webdataset) --set data.root="
+              f"{shards_folder(d, '')}")
 
 
 def train(options: o.TrainOptions, command: str) -> None:

@@ -75,7 +75,8 @@ def run_main(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-OPTIONAL_LOADERS = {"ffcv": ("ffcv", "the 'ffcv' extra"), "dali": ("nvidia.dali", "the 'dali' extra")}
+OPTIONAL_LOADERS = {"ffcv": ("ffcv", "the 'ffcv' extra"), "dali": ("nvidia.dali", "the 'dali' extra"),
+                    "dali-webdataset": ("nvidia.dali", "the 'dali' extra")}
 
 
 @pytest.fixture(autouse=True)

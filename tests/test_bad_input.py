@@ -19,6 +19,7 @@ import torch
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer.checkpoint.file import checkpoint_name, load_checkpoint, save_checkpoint
 from fastanchor.cli import main
+from fastanchor.trainer.distributed import group_store_prefix
 
 # The earlier run every case must leave intact: 3 steps, a checkpoint after each (small model).
 EARLIER = {"train.run_name": "earlier", "model.name": "test_efficientnet_gn", "optim.name": "sgd",
@@ -255,6 +256,24 @@ def test_srun_without_torchrun_is_refused_with_the_command_to_use(workspace, tin
     assert_one_line_error(result, "srun started 4 tasks (SLURM_STEP_NUM_TASKS) without torchrun: each would run alone")
     assert "srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES" in result.stderr
     assert snapshot(workspace) == before
+
+
+def test_max_restarts_over_several_nodes_on_torchruns_shared_store_is_refused(workspace, tiny_dataset, monkeypatch):
+    """Across nodes the attempts of a restarting run cannot be told apart in the store torchrun shares between them;
+    on one node each attempt's process group takes its own prefix (tests/test_distributed.py restarts such a run)."""
+    torchrun = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "GROUP_WORLD_SIZE": "2",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}
+    for name, value in torchrun.items():  # what torchrun --nnodes 2 --max-restarts 3 sets on node 0's first process
+        monkeypatch.setenv(name, value)
+    before = snapshot(workspace)
+    result = run_in_process(*train(workspace, tiny_dataset, **{"train.run_name": "restarting"}))
+    assert_one_line_error(result, "torchrun --max-restarts over several nodes shares one store between attempts")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in result.stderr
+    assert snapshot(workspace) == before
+    one_node = {**torchrun, "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert group_store_prefix(one_node) == "attempt2/"  # the third attempt's keys, apart from the others'
+    assert group_store_prefix({**one_node, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # a new store per attempt
+    assert group_store_prefix({**torchrun, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # never restarted: nothing stale
 
 
 def test_resuming_a_finished_run_changes_nothing(workspace, tiny_dataset):

@@ -126,18 +126,18 @@ def test_a_two_process_run_goes_on_with_one_process_from_a_mid_epoch_checkpoint(
     assert after["step"] == before["step"] and after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-4)
 
 
-@pytest.mark.xfail(reason="passed once (both attempts, 46 s with the fixture); then twice the restarted processes hung or "
-                          "failed in init_process_group (gloo connectFullMesh: connection refused) on a loaded 2-core "
-                          "machine: cause not found yet", raises=(AssertionError, subprocess.TimeoutExpired), strict=False)
 def test_a_process_killed_mid_epoch_under_max_restarts_goes_on_from_the_last_checkpoint(two_process_run, tiny_dataset,
                                                                                           tmp_path):
     """torchrun with a c10d rendezvous restarts both processes once rank 1 is killed after step 5 (the last
-    checkpoint: step 4); `--resume auto` takes the run up there and ends with the uninterrupted run's weights."""
+    checkpoint: step 4); `--resume auto` takes the run up there and ends with the uninterrupted run's weights.
+    The restarted rank 1 joins the process group 3 s late ("kill-then-late"), so rank 0 reads torchrun's store
+    first: keys left by the first attempt would send it to the killed process (without the process group's prefix
+    per attempt, 2 of 4 such runs failed: "gloo connectFullMesh: connection refused"; docs/distributed.md)."""
     args = tiny_overrides(tiny_dataset, tmp_path, **STANDARD, **{"data.batch_size": GLOBAL_BATCH // 2,
                                                                    "train.run_name": "restarted"})
     launch = ("--nnodes=1", "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
               "--rdzv-id=restart-test")
-    result = torchrun(2, "train", "--resume", "auto", *args, launch=launch, env={"FASTANCHOR_TEST_FAULT": "kill:1:5"},
+    result = torchrun(2, "train", "--resume", "auto", *args, launch=launch, env={"FASTANCHOR_TEST_FAULT": "kill-then-late:1:5"},
                       timeout=180)
     assert "resuming from" in result.stdout and "(epoch 2, batch 1 of 3, step 4)" in result.stdout
     assert "failed (exitcode: -9) local_rank: 1" in result.stderr  # the first attempt did end that way (SIGKILL)

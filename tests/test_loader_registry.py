@@ -41,17 +41,23 @@ def test_a_bad_setting_is_one_line_naming_it(bad, named):
 
 
 def test_the_registry_names_the_loaders_training_selects_four_of_them_and_others_are_refused(tiny_dataset):
-    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "memory", "nvjpeg", "nvjpeg-per-image"]
-    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "memory", "nvjpeg"]  # the per-image path: benchmarks
-    with pytest.raises(ConfigError, match="loader 'tfrecord': expected one of torchvision, ffcv, dali, webdataset, memory, nvjpeg, "):
+    assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "dali-webdataset", "memory", "nvjpeg",
+                                      "nvjpeg-per-image"]
+    assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "dali-webdataset", "memory",
+                                               "nvjpeg"]  # the per-image path: benchmarks
+    assert [name for name in registry.LOADERS if registry.reads_shards(name)] == ["webdataset", "dali-webdataset"]
+    assert registry.shard_loaders() == "data.loader=webdataset or data.loader=dali-webdataset"
+    with pytest.raises(ConfigError, match="loader 'tfrecord': expected one of torchvision, ffcv, dali, webdataset, dali-webdataset, memory, nvjpeg, "):
         registry.make("tfrecord", scan_image_folder(tiny_dataset / "train"), LoaderSpec(**GOOD))
-    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg-per-image': expected one of torchvision, ffcv, dali, webdataset, memory, nvjpeg$"):
+    with pytest.raises(ConfigError, match="^data.loader = 'nvjpeg-per-image': expected one of torchvision, ffcv, dali, webdataset, dali-webdataset, "
+                                          "memory, nvjpeg$"):
         load_config(None, ["data.loader=nvjpeg-per-image"])
     assert load_config(None, ["data.loader=nvjpeg"]).data.loader == "nvjpeg"  # the config is the machine's business
     for loader in ("ffcv", "memory"):
         with pytest.raises(ConfigError, match=f"augment.auto_augment = 'randaugment' is not supported by data.loader = '{loader}'"):
             registry.check_loader_supports(loader, "randaugment")
-    registry.check_loader_supports("dali", "randaugment")  # what a loader's module declares it can do (POLICIES)
+    for loader in ("dali", "dali-webdataset"):  # what a loader's module declares it can do (POLICIES)
+        registry.check_loader_supports(loader, "randaugment")
     assert load_config(None, ["data.loader=memory"]).data.loader == "memory"
 
 

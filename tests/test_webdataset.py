@@ -24,7 +24,8 @@ from fastanchor.pipeline.loaders import registry
 from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, SeededSamples, from_spec
 from fastanchor.pipeline.loaders.transforms import epoch_draws, train_transform
-from fastanchor.pipeline.loaders.wds import delivery_order, epoch_stream
+from fastanchor.pipeline.loaders.order import epoch_stream
+from fastanchor.pipeline.loaders.wds import delivery_order
 from test_resume import kill_and_resume
 
 SHARD_SIZE = 10  # 48 training images: shards of 10, 10, 10, 10, 8
@@ -39,7 +40,7 @@ def prepared(tiny_dataset, tmp_path_factory):
             "--set", "train.progress=false", *[f"--set=embedded.{k}={v}" for k, v in TINY_SPEC.items()]]
     result = run_main(*args)
     assert result.returncode == 0, result.stderr
-    assert f"--set data.loader=webdataset --set data.root={root / 'wds'}" in result.stdout
+    assert f"--set data.loader=webdataset (or dali-webdataset) --set data.root={root / 'wds'}" in result.stdout
     return root
 
 
@@ -194,7 +195,7 @@ def test_bad_roots_are_one_line(prepared, served, tmp_path):
         result.stderr and not (Path.cwd() / "http:").exists()  # nothing generated at a local path named like it
     result = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **{"data.loader": "dali", "data.dataset": "folder"}))
     assert result.returncode == 2 and "holds WebDataset shards, which data.loader = 'dali' cannot read: set " \
-                                      "data.loader=webdataset (DALI's readers.webdataset is not wired in" in result.stderr
+                                      "data.loader=webdataset or data.loader=dali-webdataset" in result.stderr
     result = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **{"data.loader": "webdataset",
                                                                             "data.label_noise": 0.2}))
     assert result.returncode == 2 and "data.label_noise = 0.2 records the flipped files of an ImageFolder tree" in result.stderr

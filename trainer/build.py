@@ -38,6 +38,7 @@ from fastanchor.pipeline.beton.manifest import recorded_index
 from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
 from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
+from fastanchor.pipeline.datasets.shard_index import ensure_indexes
 from fastanchor.pipeline.datasets.shards import (
     MANIFEST, ShardSet, is_url, join, read_shard_set, shard_images, shards_current, write_shards)
 from fastanchor.pipeline.augment.erasing import RandomErasing
@@ -50,7 +51,7 @@ from fastanchor.pipeline.shifts.eval_sets import (
     limit,
     parse_named_path,
 )
-from fastanchor.pipeline.loaders.registry import make as make_loader
+from fastanchor.pipeline.loaders.registry import make as make_loader, reads_shards, shard_loaders
 from fastanchor.pipeline.loaders.spec import Loader, LoaderSpec
 from fastanchor.pipeline.datasets.imagefolder import load_rgb, ImageFolderIndex, scan_image_folder
 from fastanchor.pipeline.augment.label_noise import LabelNoise, flip_labels, relabelled
@@ -96,8 +97,8 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
     config (with `overrides`, ``section.key=value`` texts, applied and validated), its config, and the checkpoint."""
     state = load_checkpoint(path)
     config = with_overrides(config_from_dict(state["config"]), overrides)
-    if config.data.loader == "webdataset":
-        raise ConfigError(f"checkpoint '{path}' was trained from WebDataset shards (data.loader = 'webdataset'): evaluation "
+    if reads_shards(config.data.loader):
+        raise ConfigError(f"checkpoint '{path}' was trained from WebDataset shards (data.loader = '{config.data.loader}'): evaluation "
                           f"reads ImageFolder trees; add --set data.loader=torchvision --set data.root=<the tree the shards "
                           f"were written from>")
     model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
@@ -111,12 +112,13 @@ def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> 
 
 def ensure_dataset(config: Config, progress: bool = True) -> Path:
     """Generate the embedded dataset, or decode the CIFAR pickles, into data.root when the config
-    asks for it (not with data.loader = webdataset: its shards are the dataset); return the root."""
-    if config.data.loader == "webdataset":
+    asks for it (not with a loader of shards, data.loader = webdataset or dali-webdataset: its shards are the dataset);
+    return the root."""
+    if reads_shards(config.data.loader):
         return Path(config.data.root)
     if is_url(config.data.root):
         raise ConfigError(f"data.root = '{config.data.root}' is a URL, which data.loader = {config.data.loader!r} cannot "
-                          f"read (it reads a local ImageFolder tree): WebDataset shards are read by data.loader=webdataset")
+                          f"read (it reads a local ImageFolder tree): WebDataset shards are read by {shard_loaders()}")
     root = Path(config.data.root)
     if config.data.dataset == "cifar":
         d = config.data
@@ -140,7 +142,7 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
     """The split's index. With the FFCV loader, an existing .beton whose manifest still matches the
     tree gives it without opening an image file; with the WebDataset loader, the manifest of the split's
     shard folder <data.root>/<split> (a path or URL); otherwise the tree is scanned strictly."""
-    if data.loader == "webdataset":
+    if reads_shards(data.loader):
         shards = read_shard_set(join(data.root, split))
         if classes is not None and shards.classes != tuple(classes):
             raise DataError(f"shard folder '{shards.root}' has other classes than the training split's "
@@ -148,7 +150,7 @@ def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = 
         return shards
     if (Path(data.root) / split / MANIFEST).is_file():
         raise ConfigError(f"data.root = '{data.root}' holds WebDataset shards, which data.loader = {data.loader!r} cannot "
-                          f"read: set data.loader=webdataset (DALI's readers.webdataset is not wired in: docs/loaders.md)")
+                          f"read: set {shard_loaders()}")
     root = Path(data.root) / split
     if data.loader == "ffcv":
         recorded = recorded_index(split_beton_path(data, root), root, classes)
@@ -187,11 +189,13 @@ def shards_folder(data: DataConfig, split: str) -> Path:
 
 def ensure_shards(data: DataConfig, index: ImageFolderIndex, split: str, shard_size: int, progress: bool = True) -> Path:
     """The split's shard folder, written when it does not hold exactly `index` with these settings or the tree changed
-    since; the training split is written in an order permuted with seed 0 (every shard holds every class)."""
+    since; the training split is written in an order permuted with seed 0 (every shard holds every class). DALI's
+    index of every shard (for data.loader=dali-webdataset) is built there too, where missing."""
     folder = shards_folder(data, split)
     shuffle_seed = 0 if split == data.train_split else None
     if not shards_current(folder, index, shard_size=shard_size, shuffle_seed=shuffle_seed):
         write_shards(index, folder, shard_size=shard_size, shuffle_seed=shuffle_seed, progress=progress)
+    ensure_indexes(read_shard_set(folder))
     return folder
 
 
@@ -458,7 +462,7 @@ def training_label_noise(data: DataConfig, index: ImageFolderIndex, seed: int) -
         return None
     if isinstance(index, ShardSet):
         raise ConfigError(f"data.label_noise = {data.label_noise} records the flipped files of an ImageFolder tree: "
-                          f"data.loader = 'webdataset' reads shards; use data.loader=torchvision")
+                          f"data.loader = '{data.loader}' reads shards; use data.loader=torchvision")
     if len(index.classes) < 2:
         raise ConfigError(f"data.label_noise = {data.label_noise}: '{index.root}' has {len(index.classes)} class; "
                           f"flipping labels needs at least 2")

@@ -6,13 +6,15 @@ CUDA, one GPU per process; gloo on the CPU). Without torchrun everything here is
 single process, so the loop reads the same either way; SLURM's `srun` starting several tasks
 without torchrun is refused (each would train alone). When one process fails, torchrun ends the
 others; a collective waits at most `timeout_seconds` (train.collective_timeout) for a process
-that is gone. `injected_fault` is the tests' way to make one process fail (docs/distributed.md).
+that is gone. Under `torchrun --max-restarts` every attempt joins its process group under a key prefix of its
+own (`group_store_prefix`). `injected_fault` is the tests' way to make one process fail (docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,8 +40,8 @@ class Processes:
         return self.rank == 0
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, str(default))
+def _env_int(name: str, default: int, env=os.environ) -> int:
+    value = env.get(name, str(default))
     try:
         return int(value)
     except ValueError:
@@ -63,9 +65,37 @@ def start_processes(device: torch.device, timeout_seconds: int = 0) -> tuple[Pro
         device = torch.device("cuda", processes.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=processes.rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_seconds) if timeout_seconds else None)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = {"timeout": timedelta(seconds=timeout_seconds)} if timeout_seconds else {}
+        prefix = group_store_prefix(os.environ)
+        injected_late_start(processes)
+        if prefix is None:
+            dist.init_process_group(backend, rank=processes.rank, world_size=world_size, **timeout)
+        else:
+            store, _, _ = next(dist.rendezvous("env://", processes.rank, world_size, **timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=processes.rank,
+                                    world_size=world_size, **timeout)
     return processes, device
+
+
+def group_store_prefix(env) -> str | None:
+    """The key prefix of this attempt's process group in torchrun's store, from torchrun's variables in `env`.
+
+    torchrun's c10d rendezvous hands every attempt of the workers the same store (its agent's, TORCHELASTIC_USE_AGENT_STORE),
+    which keeps the keys of the attempt before: a restarted process reading a peer's address before the peer has
+    written its new one connects to a process that is gone (gloo: "connection refused", or a hang). On one node every
+    process of an attempt has the same TORCHELASTIC_RESTART_COUNT, which names the attempt. Across nodes each agent
+    counts its own restarts, so there the store must be a new one per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    and a run that may restart without it is refused."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if _env_int("GROUP_WORLD_SIZE", 1, env) > 1:
+        if _env_int("TORCHELASTIC_MAX_RESTARTS", 0, env) > 0:
+            raise ConfigError("torchrun --max-restarts over several nodes shares one store between attempts, whose stale "
+                              "keys hang the restarted processes: start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                              "in its environment (docs/distributed.md)")
+        return None
+    return f"attempt{_env_int('TORCHELASTIC_RESTART_COUNT', 0, env)}/"
 
 
 def refuse_srun_without_torchrun() -> None:
@@ -78,7 +108,8 @@ def refuse_srun_without_torchrun() -> None:
                           f"-m fastanchor ... (docs/distributed.md)")
 
 
-FAULT = "FASTANCHOR_TEST_FAULT"  # tests only: "kill:RANK:STEP" or "raise:RANK:STEP"
+FAULT = "FASTANCHOR_TEST_FAULT"  # tests only: "kill:RANK:STEP", "raise:RANK:STEP" or "kill-then-late:RANK:STEP"
+LATE_START_SECONDS = 3.0
 
 
 def injected_fault(processes: Processes, step: int) -> None:
@@ -89,9 +120,18 @@ def injected_fault(processes: Processes, step: int) -> None:
         return
     kind, rank, at = fault.split(":")
     if processes.rank == int(rank) and step == int(at):
-        if kind == "kill":
+        if kind in ("kill", "kill-then-late"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault ({FAULT}) in process {rank} at step {step}")
+
+
+def injected_late_start(processes: Processes) -> None:
+    """Tests only: with $FASTANCHOR_TEST_FAULT "kill-then-late:RANK:STEP", process RANK of a restarted attempt joins
+    the process group LATE_START_SECONDS after the others (as on a loaded machine), so that they read the store first."""
+    fault = os.environ.get(FAULT, "")
+    if fault.startswith("kill-then-late:") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        if processes.rank == int(fault.split(":")[1]):
+            time.sleep(LATE_START_SECONDS)
 
 
 def stop_processes(processes: Processes) -> None:

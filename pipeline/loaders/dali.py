@@ -1,5 +1,6 @@
-"""NVIDIA DALI loading: `readers.file` over an ImageFolder index, decoded by DALI on the CPU or,
-on CUDA, by nvJPEG (`device="mixed"`), with TorchvisionLoader's batch contract.
+"""NVIDIA DALI loading: `readers.file` over an ImageFolder index, or `readers.webdataset` over a local shard folder
+(pipeline/datasets/shards.py), decoded by DALI on the CPU or, on CUDA, by nvJPEG (`device="mixed"`), with
+TorchvisionLoader's batch contract.
 
 `DALILoader` iterates (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on the training
 device. The file list and the labels are the ImageFolder index's (pipeline/datasets/imagefolder.py), passed
@@ -19,11 +20,17 @@ What differs from the other loaders (see also DALILoader's docstring):
   antialiased linear resize differs from PIL's by at most 1 (tests/test_dali_loader.py measures it).
 * EXIF orientation is ignored (`adjust_orientation=False`), as by PIL's `Image.open` in the other
   two loaders, so that the three loaders see the same pixels.
+* Over a shard folder, an epoch is the webdataset loader's stream of sample keys (pipeline/loaders/order.py:
+  shards and the samples within each permuted, process `rank` reading shards rank, rank + world_size, ...), handed to
+  DALI as index files of that order (pipeline/datasets/shard_index.py); a sample's label is the manifest's, by the
+  key DALI reports having read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +38,9 @@ import torch
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb, scan_image_folder
+from fastanchor.pipeline.datasets.shard_index import IMAGE_EXTENSIONS, ensure_indexes, epoch_listing
+from fastanchor.pipeline.datasets.shards import ShardSet, is_url, shard_images
+from fastanchor.pipeline.loaders.order import epoch_stream
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
 _ORDER_TAG, _AUGMENT_TAG = 0x44414C49, 0x41554745  # keep the order and augmentation streams apart
@@ -55,8 +65,9 @@ def augmentation_seed(seed: int, epoch: int, shard_id: int) -> int:
 
 
 class DALILoader:
-    """DALI's `readers.file` + `decoders.image` over an ImageFolder index (or its root), built from a LoaderSpec
-    (`spec`: the settings every loader shares, named below by their field names) and DALI's `prefetch` depth.
+    """DALI's `readers.file` + `decoders.image` over an ImageFolder index (or its root), or `readers.webdataset` over
+    a local shard folder (a ShardSet), built from a LoaderSpec (`spec`: the settings every loader shares, named below
+    by their field names) and DALI's `prefetch` depth.
 
     Iterating yields (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on `device`.
     Decoding runs on the CPU (`workers` DALI threads; 0 means 1) for a CPU device, and with
@@ -79,7 +90,12 @@ class DALILoader:
     (seed, epoch, rank): an epoch is reproducible image for image on the same decoding backend
     (CPU or mixed) whatever the `workers`. The CPU path is tested; the mixed path needs a GPU.
 
-    Sharding (process `rank` of `world_size`): DALI's reader splits the
+    Over a shard folder the order and sharding are instead the webdataset loader's (`epoch_stream`: shards and their
+    samples permuted per (seed, epoch); process `rank` reads shards rank, rank + world_size, ..., in training cut or
+    repeated to ceil(N / world_size) samples), each process's stream handed to DALI whole (its reader then reads one
+    shard of one). The crops and flips are DALI's draws, as over the files.
+
+    Sharding of the files (process `rank` of `world_size`): DALI's reader splits the
     epoch's list into contiguous shards. Train: as torch's DistributedSampler, the permutation is
     padded with its first samples to a multiple of `world_size`, so every shard has
     ceil(N / world_size) samples and the same number of batches. Eval: no padding, every sample
@@ -93,16 +109,27 @@ class DALILoader:
     to find it); the pipeline is rebuilt at the next iteration.
     """
 
-    def __init__(self, index: ImageFolderIndex | str | Path, spec: LoaderSpec, *, prefetch: int = 2):
-        if not isinstance(index, ImageFolderIndex):
-            index = scan_image_folder(index)
+    def __init__(self, index: ImageFolderIndex | ShardSet | str | Path, spec: LoaderSpec, *, prefetch: int = 2):
         self.spec = spec = checked_spec(spec)
         spec.require_policy(POLICIES, f"DALI's auto_aug offers {', '.join(POLICIES)}")
         if not _positive_int(prefetch):
             raise ConfigError(f"prefetch = {prefetch!r}: expected a positive integer")
+        self.shards, self.index_files = None, []
+        if isinstance(index, ShardSet):
+            if is_url(index.root):
+                raise ConfigError(f"DALI reads local shard folders, not '{index.root}': use data.loader=webdataset for "
+                                  f"a URL")
+            if spec.train and len(index.shards) < spec.world_size:
+                raise ConfigError(f"shard folder '{index.root}' has {len(index.shards)} shard(s) for {spec.world_size} "
+                                  f"training processes: write smaller shards (fastanchor prepare --shard-size)")
+            self.shards, self.index_files = index, ensure_indexes(index)
+            self.files, self.labels = [], index.labels
+        else:
+            if not isinstance(index, ImageFolderIndex):
+                index = scan_image_folder(index)
+            self.files = [path for path, _ in index.samples]
+            self.labels = np.array([label for _, label in index.samples], dtype=np.int64)
         self.index = index
-        self.files = [path for path, _ in index.samples]
-        self.labels = np.array([label for _, label in index.samples], dtype=np.int64)
         self.batch_size, self.train, self.image_size = spec.batch_size, spec.train, spec.image_size
         self.crop_ratio, self.min_scale = spec.crop_ratio, spec.min_scale
         self.crop, self.padding, self.policy, self.hflip = spec.crop, spec.padding, spec.policy, spec.hflip
@@ -130,7 +157,9 @@ class DALILoader:
     def num_samples(self) -> int:
         """Samples this shard reads per epoch, including the train padding, before drop_last."""
         if self.train:
-            return -(-len(self.files) // self.world_size)
+            return -(-len(self.labels) // self.world_size)
+        if self.shards is not None:
+            return sum(shard.count for shard in self.shards.shards[self.rank::self.world_size])
         start, stop = shard_bounds(len(self.files), self.rank, self.world_size)
         return stop - start
 
@@ -157,7 +186,11 @@ class DALILoader:
         return np.concatenate([order, order[:padding]])
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Positions (in the index) of the samples this shard loads in `epoch`, in order, before drop_last."""
+        """Positions (in the index; in a shard folder, sample keys) of the samples this shard loads in `epoch`, in
+        order, before drop_last."""
+        if self.shards is not None:
+            return epoch_stream(self.shards, seed=self.seed, epoch=epoch, shuffle=self.train, rank=self.rank,
+                                world_size=self.world_size)
         listed = self.epoch_files(epoch)
         start, stop = shard_bounds(len(listed), self.rank, self.world_size)
         return listed[start:stop]
@@ -170,41 +203,53 @@ class DALILoader:
         batches = len(self)
         if batches == 0:
             return
-        listed = self.epoch_files(epoch)
-        start, stop = shard_bounds(len(listed), self.rank, self.world_size)
-        order = listed[start:stop]  # what DALI's reader reads for this shard (= epoch_order(epoch))
-        pipe = self._build(listed, epoch)
-        try:
-            for batch in range(batches):
-                try:
-                    images, labels = pipe.run()
-                except RuntimeError as error:
-                    raise self._decode_error(order, batch, error) from None
-                count = min(self.batch_size, len(order) - batch * self.batch_size)
-                yield self._to_torch(images, labels, count)
-        finally:
-            del pipe
+        order = self.epoch_order(epoch)  # what DALI's reader reads for this shard
+        with self._listing(epoch, order) as listing:
+            pipe = self._build(listing, epoch)
+            try:
+                for batch in range(batches):
+                    try:
+                        images, labels = pipe.run()
+                    except RuntimeError as error:
+                        raise self._decode_error(order, batch, error) from None
+                    count = min(self.batch_size, len(order) - batch * self.batch_size)
+                    yield self._to_torch(images, labels, count)
+            finally:
+                del pipe
+
+    @contextlib.contextmanager
+    def _listing(self, epoch: int, order: np.ndarray):
+        """What DALI's reader reads in `epoch`: the files and labels of all shards (DALI splits them), or this
+        process's stream `order` of a shard folder as tars and index files of that order (in a folder of its own
+        while the epoch runs)."""
+        if self.shards is None:
+            listed = self.epoch_files(epoch)
+            yield {"files": [self.files[i] for i in listed], "labels": self.labels[listed].tolist()}
+            return
+        with tempfile.TemporaryDirectory(prefix="fastanchor-dali-") as folder:
+            paths, index_paths = epoch_listing(self.shards, self.index_files, order, Path(folder))
+            yield {"paths": paths, "index_paths": index_paths}
 
     def _to_torch(self, images, labels, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """DALI's HWC batch as a channels-last NCHW tensor, and the labels, both without a copy."""
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):  # DLPack's stream handshake with torch's current stream
-                images, labels = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor())
-        else:
-            images, labels = torch.from_dlpack(images.as_tensor()), torch.from_dlpack(labels.as_tensor())
-        images = images[:count].permute(0, 3, 1, 2)  # [B, H, W, 3] -> [B, 3, H, W] view, channels-last
-        return images, labels.reshape(-1)[:count]
+        """DALI's HWC batch as a channels-last NCHW tensor, and the labels, both without a copy (over shards: the
+        manifest's labels of the keys DALI says it read, named in its samples' source info)."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            images = torch.from_dlpack(images.as_tensor())  # on CUDA: DLPack's stream handshake with torch's stream
+            if self.shards is None:
+                labels = torch.from_dlpack(labels.as_tensor()).reshape(-1)[:count]
+        if self.shards is not None:
+            keys = [int(bytes(np.asarray(labels[i])).decode().rpartition(":")[2].partition(".")[0]) for i in range(count)]
+            labels = torch.from_numpy(self.labels[keys]).to(self.device)
+        return images[:count].permute(0, 3, 1, 2), labels  # [B, H, W, 3] -> [B, 3, H, W] view, channels-last
 
-    def _build(self, listed: np.ndarray, epoch: int):
+    def _build(self, listing: dict, epoch: int):
         from nvidia.dali import pipeline_def
 
-        files = [self.files[i] for i in listed]
-        labels = self.labels[listed].tolist()
         cuda = self.device.type == "cuda"
         graph = self._train_graph if self.train else self._eval_graph
         build = pipeline_def(graph, enable_conditionals=self.train and self.policy != "none")  # auto_aug branches per sample
         pipe = build(
-            files, labels, "mixed" if cuda else "cpu", self.image_size,
+            listing, "mixed" if cuda else "cpu", self.image_size,
             batch_size=self.batch_size, num_threads=self.threads, device_id=self.device.index if cuda else None,
             seed=augmentation_seed(self.seed, epoch, self.rank), prefetch_queue_depth=self.prefetch,
         )
@@ -214,18 +259,32 @@ class DALILoader:
             raise DataError(f"DALI cannot read the images under '{self.index.root}': {_first_line(error)}") from None
         return pipe
 
-    def _reader(self, files: list[str], labels: list[int]):
+    def _reader(self, listing: dict):
+        """The encoded images and what gives their labels: the labels (files), or the images themselves, whose
+        source info `_labels` reads at the graph's end (shards; made last, it shifts no random operator's seed)."""
         from nvidia.dali import fn, types
 
+        if self.shards is not None:
+            encoded = fn.readers.webdataset(
+                paths=listing["paths"], index_paths=listing["index_paths"], ext=[";".join(IMAGE_EXTENSIONS)],
+                missing_component_behavior="error", random_shuffle=False, pad_last_batch=True, name="Reader")
+            return encoded, encoded
         encoded, labels = fn.readers.file(
-            files=files, labels=labels, shard_id=self.rank, num_shards=self.world_size, random_shuffle=False,
-            pad_last_batch=True, name="Reader")
+            files=listing["files"], labels=listing["labels"], shard_id=self.rank, num_shards=self.world_size,
+            random_shuffle=False, pad_last_batch=True, name="Reader")
         return encoded, fn.cast(labels, dtype=types.INT64)
 
-    def _train_graph(self, files, labels, decoder: str, size: int):
+    def _labels(self, labels, decoder: str):
+        from nvidia.dali import fn
+
+        if self.shards is not None:
+            return fn.get_property(labels, key="source_info")  # "<tar>:<offset>:<key>.<ext>", on the CPU
+        return labels.gpu() if decoder == "mixed" else labels
+
+    def _train_graph(self, listing, decoder: str, size: int):
         from nvidia.dali import fn, types
 
-        encoded, labels = self._reader(files, labels)
+        encoded, labels = self._reader(listing)
         if self.crop == "padded":  # CIFAR's: the whole image at size x size, then shifted in a black frame below
             images = fn.decoders.image(encoded, device=decoder, output_type=types.RGB, adjust_orientation=False,
                                        jpeg_fancy_upsampling=True)
@@ -244,13 +303,13 @@ class DALILoader:
             start = fn.cast(fn.random.uniform(values=shifts, shape=2), dtype=types.INT32)  # (dy, dx)
             images = fn.slice(images, start=start, shape=[size, size], axis_names="HW", out_of_bounds_policy="pad",
                               fill_values=0)
-        return images, labels.gpu() if decoder == "mixed" else labels
+        return images, self._labels(labels, decoder)
 
-    def _eval_graph(self, files, labels, decoder: str, size: int):
+    def _eval_graph(self, listing, decoder: str, size: int):
         import nvidia.dali.math as dmath
         from nvidia.dali import fn, types
 
-        encoded, labels = self._reader(files, labels)
+        encoded, labels = self._reader(listing)
         # torchvision's Resize(round(size / crop_ratio)): the shorter side gets the target, the longer
         # side int(target * long / short); computed per sample from the encoded image's header.
         shape = fn.peek_image_shape(encoded, adjust_orientation=False)
@@ -263,17 +322,21 @@ class DALILoader:
                            interp_type=types.INTERP_LINEAR, antialias=True)
         images = fn.crop(images, crop=(size, size), crop_pos_x=_centre_crop_position(new_width, size),
                          crop_pos_y=_centre_crop_position(new_height, size), rounding="round")
-        return images, labels.gpu() if decoder == "mixed" else labels
+        return images, self._labels(labels, decoder)
 
     def _decode_error(self, order: np.ndarray, batch: int, error: RuntimeError) -> DataError:
         """A DataError naming the file DALI failed on: the files of this batch and the ones DALI
         may have been preparing ahead of it are decoded with PIL, the first failure is named."""
         start = batch * self.batch_size
-        for position in order[start: start + (1 + self.prefetch) * self.batch_size]:
-            try:
-                load_rgb(self.files[position])
-            except DataError as found:
-                return DataError(f"DALI: {found}")
+        candidates = order[start: start + (1 + self.prefetch) * self.batch_size]
+        try:
+            if self.shards is not None:  # each shard read whole and checked against its manifest
+                shard_images(self.shards, candidates)
+            else:
+                for position in candidates:
+                    load_rgb(self.files[position])
+        except DataError as found:
+            return DataError(f"DALI: {found}")
         stop = min(len(order), start + self.batch_size)
         return DataError(f"DALI failed on batch {batch} (samples {start} to {stop - 1} of shard {self.rank}) "
                          f"under '{self.index.root}': {_first_line(error)}")

@@ -1,12 +1,16 @@
-"""The order of an epoch that the torchvision and nvJPEG loaders share: which samples process `rank` reads in epoch
-`epoch` and the seed each sample's random crop and flip is drawn from (`epoch_shard`), and the torch Sampler over it
-that resumes mid-epoch (`EpochSampler`). Shared here, not imported from one loader's file by another."""
+"""The order of an epoch that loaders share. Of an ImageFolder index, for the torchvision and nvJPEG loaders: which
+samples process `rank` reads in epoch `epoch` and the seed each sample's random crop and flip is drawn from
+(`epoch_shard`), and the torch Sampler over it that resumes mid-epoch (`EpochSampler`). Of a shard folder, for the
+webdataset and DALI loaders: the sample keys process `rank` reads, shard by shard (`epoch_stream`). Shared here, not
+imported from one loader's file by another."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from fastanchor.pipeline.datasets.shards import ShardSet
 from fastanchor.pipeline.loaders.transforms import epoch_draws
 
 
@@ -65,3 +69,20 @@ class EpochSampler(Sampler):
             yield from indices.tolist()
         else:
             yield from zip(indices.tolist(), seeds[indices].tolist())
+
+
+def epoch_stream(shards: ShardSet, *, seed: int, epoch: int, shuffle: bool, rank: int = 0,
+                 world_size: int = 1) -> np.ndarray:
+    """The keys (sample positions in the shard folder) process `rank` of `world_size` reads in `epoch`, in order."""
+    positions = range(len(shards.shards))
+    if shuffle:
+        positions = np.random.default_rng([seed, epoch, 0x57445]).permutation(len(shards.shards)).tolist()
+    parts = []
+    for position in positions[rank::world_size]:
+        shard = shards.shards[position]
+        within = np.arange(shard.count)
+        if shuffle:
+            within = np.random.default_rng([seed, epoch, position]).permutation(shard.count)
+        parts.append(shard.offset + within)
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return np.resize(stream, -(-len(shards) // world_size)) if shuffle else stream  # resize repeats or cuts

@@ -64,6 +64,9 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
     LoaderEntry("webdataset", HERE + "wds:ShardLoader",
                 "torch DataLoader over WebDataset tar shards (a folder or fsspec URL), PIL decode in worker processes",
                 "webdataset", reads="wds"),
+    LoaderEntry("dali-webdataset", HERE + "dali:DALILoader",
+                "DALI readers.webdataset + decoders.image over local tar shards (mixed on CUDA, CPU otherwise)", "DALI",
+                reads="wds", decodes="device", backend_may_lack_device=True),
     LoaderEntry("memory", HERE + "memory:MemoryLoader",
                 "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there", "torch",
                 decodes="once", policy_note="the memory loader crops and flips only; use data.loader=torchvision or dali"),
@@ -101,6 +104,16 @@ def entry(name: str) -> LoaderEntry:
     if name not in LOADERS:
         raise ConfigError(f"loader {name!r}: expected one of {', '.join(LOADERS)}")
     return LOADERS[name]
+
+
+def reads_shards(name: str) -> bool:
+    """Whether loader `name` (data.loader) reads WebDataset shard folders (a ShardSet) rather than image files."""
+    return entry(name).reads == "wds"
+
+
+def shard_loaders() -> str:
+    """The data.loader values that read shard folders, as a reader is told them: "webdataset or dali-webdataset"."""
+    return " or ".join(f"data.loader={name}" for name in TRAINING_LOADERS if LOADERS[name].reads == "wds")
 
 
 def make(name: str, source, spec, **knobs):

@@ -31,27 +31,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.datasets.shards import ShardSet, decode_rgb, read_shard
+from fastanchor.pipeline.loaders.order import epoch_stream
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 from fastanchor.pipeline.loaders.transforms import POLICIES, epoch_draws, eval_transform, seed_worker, seeded, transform_for_size
 
-__all__ = ["POLICIES", "ShardLoader", "epoch_stream", "delivery_order"]
-
-
-def epoch_stream(shards: ShardSet, *, seed: int, epoch: int, shuffle: bool, rank: int = 0,
-                 world_size: int = 1) -> np.ndarray:
-    """The keys (sample positions in the shard folder) process `rank` of `world_size` reads in `epoch`, in order."""
-    positions = range(len(shards.shards))
-    if shuffle:
-        positions = np.random.default_rng([seed, epoch, 0x57445]).permutation(len(shards.shards)).tolist()
-    parts = []
-    for position in positions[rank::world_size]:
-        shard = shards.shards[position]
-        within = np.arange(shard.count)
-        if shuffle:
-            within = np.random.default_rng([seed, epoch, position]).permutation(shard.count)
-        parts.append(shard.offset + within)
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return np.resize(stream, -(-len(shards) // world_size)) if shuffle else stream  # resize repeats or cuts
+__all__ = ["POLICIES", "ShardLoader", "delivery_order"]
 
 
 def delivery_order(batches: int, workers: int) -> list[int]:
