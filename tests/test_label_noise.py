@@ -24,7 +24,8 @@ from fastanchor.pipeline.loaders.registry import LOADERS as ENTRIES, TRAINING_LO
 
 # every loader training can select that reads an ImageFolder tree or a .beton (the webdataset loader reads
 # shards: tests/test_webdataset.py holds it to the torchvision loader image for image, and refuses label noise)
-LOADERS = tuple(name for name in TRAINING_LOADERS if ENTRIES[name].reads != "wds")
+LOADERS = tuple(name for name in TRAINING_LOADERS  # shards: test_webdataset.py; CUDA-only (nvJPEG): test_gpu.py
+                if ENTRIES[name].reads != "wds" and not ENTRIES[name].cuda_only)
 
 
 @pytest.mark.parametrize("fraction, samples, classes", [(0.2, 1000, 10), (0.05, 997, 3), (0.5, 41, 2), (0.3, 7, 100)])

@@ -26,7 +26,8 @@ from fastanchor.pipeline.loaders.registry import LOADERS as ENTRIES, TRAINING_LO
 
 # every loader training can select that reads an ImageFolder tree or a .beton (the webdataset loader reads
 # shards: tests/test_webdataset.py holds it to the torchvision loader image for image, and refuses label noise)
-LOADERS = tuple(name for name in TRAINING_LOADERS if ENTRIES[name].reads != "wds")
+LOADERS = tuple(name for name in TRAINING_LOADERS  # shards: test_webdataset.py; CUDA-only (nvJPEG): test_gpu.py
+                if ENTRIES[name].reads != "wds" and not ENTRIES[name].cuda_only)
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,8 @@ def find_resume_point(config: Config, resume: str | None) -> ResumePoint | None:
     check_same_run(point.state["config"], config, path)
     reached = point.state["epoch"] + (0 if point.state["end_of_epoch"] else 1)  # the epoch the checkpoint is in
     if config.epochs_to_train < reached:
-        raise ConfigError(f"--resume: train.epochs = {config.train.epochs} ({config.epochs_to_train} to train), but checkpoint '{path}' is already in epoch "
+        stretched = f" ({config.epochs_to_train} to train)" if config.epochs_to_train != config.train.epochs else ""
+        raise ConfigError(f"--resume: train.epochs = {config.train.epochs}{stretched}, but checkpoint '{path}' is already in epoch "
                           f"{reached}: expected at least {reached} (more than {point.epochs} extends the run)")
     return point
 
