@@ -16,7 +16,7 @@ from fastanchor.reproduce.convergence import PLATEAU, epoch_records, plateau_of
 from fastanchor.reproduce.extract import metrics_of, natural
 from fastanchor.reproduce.runs import Experiment, Run
 from fastanchor.reproduce.steps import Train
-from fastanchor.reproduce.verdicts import verdicts
+from fastanchor.reproduce.verdicts import rules, verdicts
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
 
@@ -98,6 +98,9 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
     finished = {"finished": len(runs) - len(missing)} if experiment.rows else {}  # rows are not runs there
     result = {**head, "runs": rows, "missing": missing, "summary": summary, **finished,
               "std": "sample standard deviation over seeds (ddof 1; 0 for one seed)", "convergence_rule": PLATEAU.text()}
+    rule, claims = rules(experiment.name, experiment.paper)
+    if claims:  # the rule and claims the verdicts are drawn by, kept with the record (verdicts.py)
+        result.update(verdict_rule=rule, claims=claims)
     return {**result, "verdicts": verdicts(result, experiment.paper)}
 
 

@@ -10,7 +10,9 @@ from fastanchor.reproduce.experiments import ARM_LABELS
 from fastanchor.reproduce.extract import natural, pick
 from fastanchor.reproduce.runs import View
 
-METRIC_LABELS = {"id_top1": "ID top-1", "id_top1_k": "ID top-1, K refs", "id_top1_blt": "ID top-1, BLT",
+METRIC_LABELS = {"shortcut_unchanged_by_swap": "unchanged by a swapped reference (%)",
+                 "shortcut_top1_masked": "top-1 on [0, x-r]", "shortcut_top1_swapped": "top-1 on [r', x-r]",
+                 "shortcut_top1_anchored": "top-1 on [r, x-r]", "id_top1": "ID top-1", "id_top1_k": "ID top-1, K refs", "id_top1_blt": "ID top-1, BLT",
                  "c_mean": "C mean", "cbar_mean": "C-bar mean", "c_top1_k": "C mean, K refs", "c_top1_blt": "C mean, BLT",
                  "ms_one": "ms/1000, 1 ref", "ms_k": "ms/1000, K refs", "ms_blt": "ms/1000, BLT", "smece_mean": "smECE",
                  "ms_one_pooled": "ms/1000 all sets, 1 ref", "ms_k_pooled": "ms/1000 all sets, K refs",

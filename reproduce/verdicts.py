@@ -120,8 +120,10 @@ def judge(differences: list[float], effect: float, unconverged: list[str], rule:
 
 
 def verdicts(result: dict, paper: str = "000") -> list[dict]:
-    """One verdict per claim and setup of `result` (a result.json's dict)."""
+    """One verdict per claim and setup of `result` (a result.json's dict), by the rule and claims its aggregation
+    recorded (`verdict_rule`, `claims`: a later revision of the file does not re-judge a record), else the file's."""
     rule, claims = rules(result["experiment"], paper)
+    rule, claims = result.get("verdict_rule") or rule, result.get("claims") or claims
     out = []
     for claim in claims:
         effect, source = paper_effect(claim, result["experiment"], paper)
@@ -163,8 +165,8 @@ def line(v: dict) -> str:
             f"{v['paper_effect']:+.2f} ({v['paper_source']}). {v['reason'][0].upper()}{v['reason'][1:]}.")
 
 
-def rule_text(paper: str = "000") -> str:
-    rule, _ = rules("", paper)
+def rule_text(paper: str = "000", rule: dict | None = None) -> str:
+    rule = rule or rules("", paper)[0]
     return (f"Rule (paper_numbers/{paper}.yaml, stated before the runs): paired by seed, the {rule['confidence']:.0%} "
             f"t-interval of the mean difference; reproduces when it lies above 0, does not reproduce when it lies below "
             f"{rule['fraction']:g} x the paper's effect; otherwise, or with fewer than {rule['min_pairs']} pairs, an "
@@ -178,7 +180,7 @@ def block(results_dir: Path, link=lambda path: path.as_posix()) -> str:
     lines = [rule_text(), ""]
     for path in sorted(Path(results_dir).glob("reproduce/*/result.json")):
         result = json.loads(path.read_text())
-        if result.get("paper_file", "000.yaml") != "000.yaml" or not rules(result["experiment"])[1]:
+        if result.get("paper_file", "000.yaml") != "000.yaml" or not (result.get("claims") or rules(result["experiment"])[1]):
             continue
         lines.append(f"{result['experiment']} ({result.get('scale', '')} scale, [record]({link(path.parent / 'README.md')})):")
         lines += [line(v) for v in verdicts(result)] + [""]

@@ -93,3 +93,12 @@ def test_plateau_rule_on_epoch_records(tmp_path):
     metrics.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     assert [r["epoch"] for r in epoch_records(metrics)] == list(range(1, 13))
     assert "last 25% of its epochs" in PLATEAU.text()
+
+
+def test_a_record_is_judged_by_the_rule_it_was_aggregated_with():
+    """A later revision of the rule in paper_numbers/000.yaml does not re-judge a record that kept its own."""
+    results = result("tab1", [80.0, 81.5, 80.7], [76.0, 76.9, 77.1])
+    assert tab1_claim(results)["verdict"] == "reproduces"
+    results["verdict_rule"] = {**RULE, "min_pairs": 4}  # the rule the record was aggregated with
+    results["claims"] = rules("tab1")[1]
+    assert tab1_claim(results)["verdict"] == "not decidable here"
