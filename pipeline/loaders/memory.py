@@ -33,6 +33,7 @@ from PIL import Image
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
+from fastanchor.pipeline.loaders.order import epoch_shard
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
 POLICIES = ("none",)
@@ -285,16 +286,11 @@ class MemoryLoader:
         of (seed, epoch), padded with its first samples to a multiple of world_size, rank taking every world_size-th),
         or every world_size-th of the index from rank on for evaluation."""
         spec = self.spec
-        if not spec.train:
-            return torch.arange(spec.rank, self.num_samples, spec.world_size)
-        order = torch.randperm(self.num_samples, generator=self.generator())
-        padded = -(-self.num_samples // spec.world_size) * spec.world_size
-        if padded > self.num_samples:
-            order = torch.cat([order, order[: padded - self.num_samples]])
-        return order[spec.rank::spec.world_size]
+        return epoch_shard(self.num_samples, seed=spec.seed, epoch=self.epoch, shuffle=spec.train, rank=spec.rank,
+                           world_size=spec.world_size)[0]
 
     def generator(self) -> torch.Generator:
-        """The current epoch's generator: the order first, then every sample's crop and flip."""
+        """The current epoch's generator (order.epoch_shard's: the order first), then every sample's crop and flip."""
         return torch.Generator().manual_seed(self.spec.seed * 1_000_003 + self.epoch)
 
     def augmentation(self) -> tuple[torch.Tensor, torch.Tensor]:
