@@ -22,6 +22,8 @@ from fastanchor.pipeline.loaders.dali import DALILoader
 from fastanchor.trainer.checkpoint.file import latest_checkpoint
 from test_webdataset import prepared, served, spec  # noqa: F401 - the shard folders `prepare --format wds` wrote
 
+pytestmark = pytest.mark.slow  # DALI pipelines over shards: about 17 s in all (make test runs them)
+
 LOADER = "dali-webdataset"
 
 

@@ -35,6 +35,7 @@ def test_every_sample_masked_is_one_line():
         config(**{"anchor.alpha": 1.0, "train.equal_labelled_steps": "true"})
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_a_stretched_run_trains_longer_with_its_schedule_stretched(tiny_dataset, tmp_path):
     """alpha 0.5, 2 epochs of 3 steps: 4 epochs (12 steps) trained, the cosine rate over all 12 (float64 reference),
     validated each epoch; the config records the option and final.pt is the 4th epoch's."""

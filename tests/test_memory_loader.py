@@ -182,6 +182,7 @@ def test_sharded_epochs_cover_the_epoch_and_each_sample_keeps_its_crop(train_cop
         assert torch.equal(part.shard(), order[rank::2]) and torch.equal(shard_images, images[rank::2])
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_a_training_run_through_it_killed_mid_epoch_resumes_bitwise(tiny_dataset, tmp_path):
     """`fastanchor train --set data.loader=memory` on the tiny dataset, whole and killed after a mid-epoch checkpoint
     then resumed (tests/test_resume.py's kill_and_resume): the same weights, optimiser state and metrics."""

@@ -200,7 +200,7 @@ def check_result(experiment: str, out: Path, runs) -> dict:
     return result
 
 
-HEAVIER = {"fig1", "fig5a", "fig5b"}  # five or six tiny runs each
+HEAVIER = {"fig1", "fig5a", "fig5b", "shortcut"}  # five or six tiny runs each (shortcut: fig1's trainings)
 
 
 @pytest.mark.parametrize("experiment", [pytest.param(e, marks=pytest.mark.slow) if e in HEAVIER else e
@@ -565,6 +565,7 @@ def test_every_step_kind_is_one_entry_with_its_line_function_label_and_count(tmp
     assert planned <= set(kinds.values()) and {steps.Train, steps.Evaluate, steps.FinetuneOOD} <= planned
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_small_scale_on_your_own_image_folder(tiny_dataset, tmp_path):
     """`--scale small --data FOLDER`: one setup on any ImageFolder tree with train/ and val/ (its pre-corrupted val-c/
     read where there is one); anything else is one line. The folder's run trains and evaluates for real."""
@@ -612,6 +613,7 @@ def test_small_scale_plans_both_settings_and_the_resnet18_row_with_equal_labelle
         load_config("demo", [f"{k}={v}" for k, v in overrides.items()])
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_the_gpu_scale_plans_fig1_and_tab1_with_a_predicted_time():
     """`--scale gpu --dry-run`: the CIFAR-sized plan (the CIFAR ResNet-18 on a generated 20,000-image set, the in-memory
     loader) and its predicted seconds on one H100, from one measured figure and stated factors (reproduce/gpu_plan.py),

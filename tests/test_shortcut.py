@@ -71,6 +71,7 @@ def test_the_probe_against_its_float64_definition(channels):
         assert probe["top1_swapped"] == probe["top1_anchored"] == probe["top1_masked"]
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_eval_json_holds_the_probe_of_a_trained_model(tiny_dataset, tmp_path):
     """ID and every shift set; its anchored top-1 is the one-reference protocol's (the same seeded draws, batch by
     batch: three batches here)."""

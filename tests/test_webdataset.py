@@ -163,6 +163,7 @@ def test_trains_from_local_shards_and_evaluation_asks_for_the_tree(prepared, tmp
     assert refused.returncode == 2 and "evaluation reads ImageFolder trees; add --set data.loader=torchvision" in refused.stderr
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_a_run_over_http_killed_mid_epoch_resumes_to_the_uninterrupted_runs_weights(served, tmp_path):
     """Trained from the loopback server, whole and killed after a mid-epoch checkpoint then resumed: bitwise equal."""
     from test_resume import RESUMABLE
