@@ -10,6 +10,8 @@ sweep goes on where it stopped when the same command runs again.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 from fastanchor.reproduce.aggregate import aggregate
@@ -93,11 +95,37 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     paths = write_results(result, Path(options.out) / experiment.name, whole)
     print(f"{len(runs) - len(result['missing'])} of {len(runs)} runs aggregated: {', '.join(map(str, paths.values()))}")
     if options.record:
+        if options.setup_names or options.value_names:  # part of the experiment: the record keeps its other cells
+            result = keep_other_cells(result, Path(options.record) / experiment.name / "result.json", runs)
+            paths = write_results(result, Path(options.out) / experiment.name, whole)
         written = write_record(result, paths.get("result.png"), Path(options.record) / experiment.name)
         if experiment.recorder:
             experiment.recorder(result, Path(options.out) / experiment.name, Path(options.record) / experiment.name)
         print(f"record written: {written} (and the index {write_index(Path(options.record))})")
     return result
+
+
+def keep_other_cells(result: dict, recorded: Path, runs: list[Run]) -> dict:
+    """`result` (of the runs --setups/--values chose) with the committed record's rows of every (setup, value) those
+    runs do not cover, each marked with the command that made it; summary and verdicts recomputed."""
+    if not recorded.is_file() or not result.get("runs"):
+        return result
+    from fastanchor.files import read_json
+    from fastanchor.reproduce.aggregate import summarise as summarise_rows
+    from fastanchor.reproduce.verdicts import verdicts
+
+    old = read_json(recorded, "record")
+    covered = {(run.setup, json.dumps(run.value)) for run in runs}
+    kept = [{**row, "from_record": row.get("from_record") or old.get("command", "")} for row in old.get("runs", [])
+            if (row["setup"], json.dumps(row["value"])) not in covered and row["value"] is not None]
+    if not kept:
+        return result
+    rows = result["runs"] + kept
+    merged = {**result, "runs": rows,
+              "summary": summarise_rows(rows, result["paper"]["entries"], result["setups"],
+                                        EXPERIMENTS[result["experiment"]].strict_paper_setup),
+              "kept": f"{len(kept)} rows of cells not rerun kept from the record (each names its command)"}
+    return {**merged, "verdicts": verdicts(merged, EXPERIMENTS[result["experiment"]].paper)}
 
 
 def run_reproduce(options: ReproduceOptions, command: str) -> int:

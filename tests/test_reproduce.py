@@ -637,3 +637,26 @@ def test_the_gpu_scale_plans_fig1_and_tab1_with_a_predicted_time():
         assert part in train
     refused = run_main("reproduce", "tab4", "--scale", "gpu", "--dry-run")
     assert refused.returncode == 2 and "tab4 runs at tiny, small, cifar, imagenet" in refused.stderr
+
+
+def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path):
+    """`--values whole --record DIR`: the record keeps its rows at the other |R| (marked with their command), drops
+    those the new runs replace, and recomputes the summary over both."""
+    from fastanchor.reproduce.runs import Run
+    from fastanchor.reproduce.sweep import keep_other_cells
+
+    def row(arm, value, seed, c_mean):
+        return {"run": f"demo-{arm}-{value}-s{seed}", "setup": "demo", "arm": arm, "value": value, "seed": seed,
+                "metrics": {"c_mean": c_mean}, "training": None}
+
+    old = {"command": "fastanchor reproduce fig1 (old)", "runs": [row("anchored", 5, 0, 70.0), row("anchored", "whole", 0, 71.0),
+                                                                 row("standard", None, 0, 60.0)]}
+    (tmp_path / "result.json").write_text(json.dumps(old))
+    new = {"experiment": "fig1", "paper": paper_numbers("fig1"), "setups": {"demo": "CIFAR-10 ResNet-18"},
+           "runs": [row("anchored", "whole", 0, 80.0), row("standard", None, 0, 65.0)]}
+    runs = [Run("fig1", r["run"], "demo", r["arm"], r["value"], 0, "demo", (), ()) for r in new["runs"]]
+    merged = keep_other_cells(new, tmp_path / "result.json", runs)
+    assert [(r["arm"], r["value"], r["metrics"]["c_mean"], r.get("from_record")) for r in merged["runs"]] == [
+        ("anchored", "whole", 80.0, None), ("standard", None, 65.0, None), ("anchored", 5, 70.0, "fastanchor reproduce fig1 (old)")]
+    means = {(g["arm"], json.dumps(g["value"])): g["metrics"]["c_mean"]["mean"] for g in merged["summary"]}
+    assert means == {("anchored", '"whole"'): 80.0, ("standard", "null"): 65.0, ("anchored", "5"): 70.0}
