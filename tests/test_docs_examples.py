@@ -67,7 +67,11 @@ def test_relative_links_resolve():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("document", [d for d in DOCUMENTS if runnable(d)], ids=lambda p: p.relative_to(ROOT).as_posix())
+HEAVY = {"docs/compile.md", "docs/reproduce.md"}  # over 7 s each: make test runs them, make test-fast does not
+
+
+@pytest.mark.parametrize("document", [pytest.param(d, marks=pytest.mark.slow) if d.relative_to(ROOT).as_posix() in HEAVY else d
+                                      for d in DOCUMENTS if runnable(d)], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_examples_run_as_written(document, tiny_dataset, tmp_path):
     shutil.copytree(tiny_dataset, tmp_path / "data" / "embedded_demo")
     source = str(Path(fastanchor.__file__).resolve().parent.parent)  # this checkout, before any installed copy
