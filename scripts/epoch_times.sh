@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Epoch time of the demo recipe (the small reproduction scale's) through two loaders: `fastanchor train --epochs N`
 # as a user runs it, REPS times per loader, interleaved (A B A B ...), each run timed whole (start-up, N epochs with
-# their validation, the final checkpoint). Writes results/small-scale/epoch-times-demo-<N>ep[-seeds].{json,md}: every run's wall time,
+# their validation, the final checkpoint). Writes OUT/epoch-times-demo-<N>ep[-seeds].{json,md}: every run's wall time,
 # its epochs' training images/s (metrics.jsonl, the first step excluded) and validation top-1, and the medians.
 #
 #   scripts/epoch_times.sh                       # torchvision against memory, 2 epochs, 3 runs each
 #   EPOCHS=6 SEEDS=1 scripts/epoch_times.sh      # 6 epochs, repetition k with train.seed=k-1: the loaders' accuracy
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), LOADERS, EPOCHS, REPS, RUNS (the run folders,
-# default runs/epoch-times), OUT (default results/small-scale), SEEDS=1 (repetition k trains with train.seed=k-1; else the
+# default runs/epoch-times), OUT (default runs/bench/small-scale; OUT=results/small-scale publishes), SEEDS=1 (repetition k trains with train.seed=k-1; else the
 # recipe's seed every time), SUMMARISE_ONLY=1 (summarise RUNS without training).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ LOADERS=${LOADERS:-torchvision memory}
 EPOCHS=${EPOCHS:-2}
 REPS=${REPS:-3}
 RUNS=${RUNS:-runs/epoch-times}
-OUT=${OUT:-results/small-scale}
+OUT=${OUT:-runs/bench/small-scale}  # the committed evidence only when asked: OUT=results/small-scale
 
 if [[ -z ${SUMMARISE_ONLY:-} ]]; then
     mkdir -p "$RUNS"
