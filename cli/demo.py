@@ -31,14 +31,14 @@ def comparison_rows(results: dict[str, dict]) -> list[tuple[str, list[str]]]:
                          [f"{r['severity_mean_top1'][benchmark][severity]:.2f}" for r in runs]))
     if "ood" in runs[0]:
         scores = dict.fromkeys(score for r in runs for score in r["ood"]["auroc"])
-        sets = runs[0]["ood"]["sets"]  # several (shapes, textures): each set's row, then the mean evaluate reports
-        for score in scores:
+        sets = runs[0]["ood"]["sets"]  # several (shapes, textures): each set's row, never their mean (one detector
+        for score in scores:           # may be inverted on a set where the other works)
+            if len(sets) == 1:
+                rows.append((f"OOD AUROC, {score} (%)", [f"{100 * r['ood']['auroc'][score]:.2f}"
+                                                         if score in r["ood"]["auroc"] else "-" for r in runs]))
             for name in sets if len(sets) > 1 else ():  # in percent, as the SFT table below gives it
                 rows.append((f"OOD AUROC, {score} on {name} (%)", [f"{100 * r['ood']['sets'][name][score]['auroc']:.2f}"
                                                                    if score in r["ood"]["sets"][name] else "-" for r in runs]))
-            mean = f", mean over the {len(sets)} OOD sets" if len(sets) > 1 else ""
-            rows.append((f"OOD AUROC, {score}{mean} (%)", [f"{100 * r['ood']['auroc'][score]:.2f}"
-                                                           if score in r["ood"]["auroc"] else "-" for r in runs]))
     return rows
 
 
