@@ -42,8 +42,8 @@ def readme(result: dict) -> str:
     table = markdown(result, EXPERIMENTS[result["experiment"]].view).split("\n")
     paper = result.get("paper_file", "000.yaml").removesuffix(".yaml")
     judged = verdicts(result, paper) if result.get("claims") or rules(result["experiment"], paper)[1] else []
-    verdict_lines = ["", "## Verdicts", "", rule_text(paper, result.get("verdict_rule")), "", *map(line, judged), ""] \
-        if judged else []
+    verdict_lines = ["", "## Verdicts", "", rule_text(paper, result.get("verdict_rule"), result.get("convergence_rule")),
+                     "", *map(line, judged), ""] if judged else []
     return "\n".join(table[:2] + [text for text in made if text] + verdict_lines + table[2:])
 
 

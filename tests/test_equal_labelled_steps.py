@@ -38,8 +38,10 @@ def test_every_sample_masked_is_one_line():
 @pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_a_stretched_run_trains_longer_with_its_schedule_stretched(tiny_dataset, tmp_path):
     """alpha 0.5, 2 epochs of 3 steps: 4 epochs (12 steps) trained, the cosine rate over all 12 (float64 reference),
-    validated each epoch; the config records the option and final.pt is the 4th epoch's."""
+    validated each epoch; the config records the option and final.pt is the 4th epoch's. Each epoch's loss over its
+    unmasked steps (batch-level masking: a step is masked whole or not at all) is the mean of those steps' losses."""
     args = tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "stretched", "anchor.alpha": 0.5,
+                                                      "anchor.mask_level": "batch",
                                                       "train.epochs": 2, "train.equal_labelled_steps": "true",
                                                       "optim.warmup_epochs": 0, "train.log_interval": 1})
     result = run_main("train", *args)
@@ -51,5 +53,11 @@ def test_a_stretched_run_trains_longer_with_its_schedule_stretched(tiny_dataset,
     peak = lr[1] / (0.5 * (1 + math.cos(math.pi * 1 / 12)))
     for step, value in lr.items():
         assert value == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * step / 12)), abs=1e-12)
+    steps = [r for r in records if "masked" in r]
+    assert {r["masked"] for r in steps} == {0.0, 1.0}  # both kinds of step, masked whole or not at all
+    for epoch in (r for r in records if "val_top1" in r):
+        unmasked = [r["loss"] for r in steps if (r["step"] - 1) // 3 + 1 == epoch["epoch"] and r["masked"] == 0.0]
+        expected = sum(unmasked) / len(unmasked) if unmasked else None
+        assert epoch["train_loss_unmasked"] == (pytest.approx(expected, rel=1e-9) if unmasked else None)
     saved = torch.load(run / "final.pt", weights_only=True)["config"]["train"]
     assert saved["equal_labelled_steps"] is True and saved["epochs"] == 2

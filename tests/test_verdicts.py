@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fastanchor.reproduce.convergence import PLATEAU, epoch_records, plateau_of
+from fastanchor.reproduce.convergence import FIRST_PLATEAU, PLATEAU, epoch_records, plateau_of
 from fastanchor.reproduce.experiments import EXPERIMENTS
 from fastanchor.reproduce.verdicts import judge, line, paper_effect, rules, verdicts
 
-RULE = {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}
+RULE = {"version": 2, "confidence": 0.95, "fraction": 0.5, "min_pairs": 3, "chance": {"auroc": 50.0}}
+FIRST_RULE = {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}  # version 1: records aggregated before version 2
 CONVERGED = {"converged": True}
 
 
@@ -59,14 +60,32 @@ def test_an_interval_below_half_the_papers_effect_does_not_reproduce():
 def test_not_decidable_when_too_few_seeds_too_wide_between_or_not_plateaued():
     two = tab1_claim(result("tab1", [80.0, 81.0], [76.0, 77.0]))
     assert two["verdict"] == "not decidable here" and "the rule needs 3" in two["reason"]
-    wide = tab1_claim(result("tab1", [70.0, 85.0, 80.0], [76.0, 77.0, 76.5]))
-    assert wide["verdict"] == "not decidable here" and "wider than the paper's effect" in wide["reason"]
+    wide = tab1_claim(result("tab1", [70.0, 85.0, 80.0], [76.0, 77.0, 76.5]))  # about [-14, +20]
+    assert wide["verdict"] == "not decidable here" and "holds both 0" in wide["reason"]
     held = judge([-1.5, 3.5, 0.0, 2.5, 1.0, 3.0, -1.0, 1.5], 4.4, [], RULE)  # about [-0.4, 2.65]: holds 0 and 2.2
     assert held[0] == "not decidable here" and "holds both 0 and 0.5 x" in held[1]
     late = tab1_claim(result("tab1", [80.0, 81.5, 80.7], [76.0, 76.9, 77.1], training={"converged": False}))
     assert late["verdict"] == "not decidable here" and "had not plateaued" in late["reason"]
     unknown = tab1_claim(result("tab1", [80.0, 81.5, 80.7], [76.0, 76.9, 77.1], training=None))
     assert "was not recorded" in unknown["reason"]
+
+
+def test_version_2_settles_a_direction_however_wide_and_refuses_inverted_detectors():
+    """Version 2 (verdicts.py): an interval wholly above 0 reproduces even where it is wider than the paper's effect
+    (version 1 called it undecided); a detector's AUROC below chance in either arm is not compared."""
+    above = [12.0, 7.0, 9.2], [0.5, 0.0, 0.2]  # differences 11.5, 7, 9: [+3.6, +14.8], 11 wide; the paper +4.4
+    differences = np.subtract(*above)
+    assert judge(list(differences), 4.4, [], RULE)[0] == "reproduces"
+    first = judge(list(differences), 4.4, [], FIRST_RULE)
+    assert first[0] == "not decidable here" and "wider than the paper's effect" in first[1]
+    tab3 = result("tab3", [30.0, 35.0, 33.0], [20.0, 22.0, 21.0], metric="auroc_energy_ood_textures")
+    tab3["verdict_rule"] = RULE
+    tab3["claims"] = [{"claim": "masking rejects textures better", "arm": "masking", "against": "anchored",
+                       "metric": "auroc_energy_ood_textures", "paper_effect": {"number": 2.0, "source": "hand-made"}}]
+    v = verdicts(tab3)[0]
+    assert v["verdict"] == "not decidable here" and "below chance (50)" in v["reason"] and "anchored's" in v["reason"]
+    tab3["runs"] = [{**r, "metrics": {k: x + 50 for k, x in r["metrics"].items()}} for r in tab3["runs"]]
+    assert verdicts(tab3)[0]["verdict"] == "reproduces"  # the same differences above chance
 
 
 def test_a_swept_claim_pairs_the_values_it_names():
@@ -93,6 +112,25 @@ def test_plateau_rule_on_epoch_records(tmp_path):
     metrics.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     assert [r["epoch"] for r in epoch_records(metrics)] == list(range(1, 13))
     assert "last 25% of its epochs" in PLATEAU.text()
+
+
+def test_the_plateau_reads_the_unmasked_loss_through_a_line():
+    """Revision 2 (convergence.py): a masking run whose whole-epoch loss swings with its share of masked batches but
+    whose labelled loss and ID top-1 are flat has plateaued; read at the two ends of the whole loss (revision 1's
+    rule, kept for the records aggregated with it) it had not. The line's rise is checked against numpy's lstsq."""
+    swings = [0.84, 0.72, 0.66, 0.60, 0.54, 0.72, 0.36, 0.54, 0.36, 0.48, 0.84, 0.36]  # demo-masking-s1's last epochs
+    top1 = [99.92, 99.96, 99.92, 99.96, 99.96, 99.92, 99.92, 99.96, 99.96, 99.96, 99.92, 99.96]
+    records = [{"epoch": e + 1, "val_top1": top1[e % 12], "train_loss": swings[e % 12],
+                "train_loss_unmasked": 0.01 + 0.001 * (e % 3)} for e in range(40)]
+    assert plateau_of(records)["converged"] is True and abs(plateau_of(records)["loss_fall"]) < 0.01
+    assert plateau_of(records, FIRST_PLATEAU)["converged"] is False  # 0.84 -> 0.36 at the window's two ends
+    window = records[-11:]
+    x = np.arange(11.0)
+    slope = np.linalg.lstsq(np.stack([x, np.ones(11)], 1), [r["val_top1"] for r in window], rcond=None)[0][0]
+    assert plateau_of(records)["top1_gain"] == pytest.approx(slope * 10, abs=1e-3)
+    older = [{k: v for k, v in r.items() if k != "train_loss_unmasked"} for r in records]  # not recorded: the whole loss
+    assert plateau_of(older)["loss_fall"] == pytest.approx(-10 * np.polyfit(x, [r["train_loss"] for r in window], 1)[0],
+                                                           abs=1e-3)
 
 
 def test_a_record_is_judged_by_the_rule_it_was_aggregated_with():

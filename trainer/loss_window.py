@@ -4,6 +4,11 @@
 window and the current epoch, and the first step whose loss was not finite. The loop reads them
 (one sync, reduced over all processes) only every `train.log_interval` steps, at the end of an
 epoch and before every checkpoint, so the device runs ahead of the host in between.
+
+The epoch also keeps the loss of its steps with no masked sample apart: with batch-level reference
+masking an epoch's share of masked batches (uniform targets, a loss near log C) varies by chance, so
+the whole epoch's mean swings by tenths of a nat from epoch to epoch while the labelled loss does not
+(reproduce/convergence.py reads it).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ class LossWindow:
     def __init__(self, device: torch.device):
         self.device = device
         self.window = torch.zeros(3, dtype=torch.float64, device=device)  # loss * samples, samples, masked samples
-        self.epoch = torch.zeros(2, dtype=torch.float64, device=device)  # loss * samples, samples
+        # loss * samples, samples; the same over the steps with no masked sample
+        self.epoch = torch.zeros(4, dtype=torch.float64, device=device)
         self.first_bad = torch.full((), _NONE, dtype=torch.float64, device=device)
 
     def add(self, loss: torch.Tensor, samples: int, masked: torch.Tensor, step: int) -> None:
@@ -33,6 +39,9 @@ class LossWindow:
         self.window[2] += masked.sum()
         self.epoch[0] += weighted
         self.epoch[1] += samples
+        unmasked = masked.sum() == 0
+        self.epoch[2] += torch.where(unmasked, weighted, 0.0)
+        self.epoch[3] += unmasked.to(torch.float64) * samples
         self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, self.first_bad.clamp(max=step))
 
     def first_nonfinite_step(self, processes: Processes) -> int | None:
@@ -49,11 +58,12 @@ class LossWindow:
         stats = {"loss": loss_sum / samples if samples else None, "masked": masked / samples if samples else None}
         return stats, self.first_nonfinite_step(processes)
 
-    def read_epoch(self, processes: Processes) -> float | None:
-        """Mean training loss of the epoch (over all processes), then start a new epoch."""
-        loss_sum, samples = all_reduce(processes, self.epoch.clone()).tolist()
+    def read_epoch(self, processes: Processes) -> tuple[float | None, float | None]:
+        """Mean training loss of the epoch, and that of its steps with no masked sample (over all processes;
+        None where there were none), then start a new epoch."""
+        loss_sum, samples, unmasked_sum, unmasked = all_reduce(processes, self.epoch.clone()).tolist()
         self.epoch.zero_()
-        return loss_sum / samples if samples else None
+        return (loss_sum / samples if samples else None), (unmasked_sum / unmasked if unmasked else None)
 
     def state_dict(self) -> dict:
         return {"window": self.window.cpu(), "epoch": self.epoch.cpu(), "first_bad": self.first_bad.cpu()}
@@ -66,7 +76,8 @@ class LossWindow:
 
     def load_state_dict(self, state: dict) -> None:
         self.window.copy_(state["window"])
-        self.epoch.copy_(state["epoch"])
+        self.epoch.zero_()
+        self.epoch[:len(state["epoch"])].copy_(state["epoch"])  # a checkpoint from before the unmasked sums: none yet
         self.first_bad.copy_(state["first_bad"])
 
 

@@ -13,8 +13,8 @@ import secrets
 from pathlib import Path
 
 # the epoch record's columns, in order (metrics.jsonl's epoch lines; the log steps' lines are not in the CSV)
-EPOCH_COLUMNS = ("epoch", "step", "train_loss", "val_top1", "val_top5", "train_images_per_s", "first_step_seconds",
-                 "skipped_steps", "resolution", "time")
+EPOCH_COLUMNS = ("epoch", "step", "train_loss", "train_loss_unmasked", "val_top1", "val_top5", "train_images_per_s",
+                 "first_step_seconds", "skipped_steps", "resolution", "time")
 SCALARS = ("loss", "lr", "masked", "images_per_s", "train_loss", "val_top1", "val_top5", "train_images_per_s")
 
 

@@ -149,13 +149,13 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
                                       shown_loss=shown_loss)
             if trained.stopped:  # train.max_steps: a smoke test of the recipe, no validation, no checkpoint
                 return folder.root
-            epoch_loss = run.losses.read_epoch(processes)
+            epoch_loss, unmasked_loss = run.losses.read_epoch(processes)
             shown_loss = trained.shown_loss if epoch_loss is None else epoch_loss  # shown until the next window's
             broadcast_module_buffers(processes, run.step.eval_model)  # BatchNorm statistics: rank 0's everywhere
             val = validate(run.step.eval_model, run.val_loader, anchored=config.anchor.enabled, references=run.references,
                            seed=config.eval.seed, dtype=run.step.autocast_dtype, progress=show, processes=processes,
                            flip=config.eval.flip_tta)
-            record = {"epoch": epoch + 1, "step": at.step, "train_loss": epoch_loss,
+            record = {"epoch": epoch + 1, "step": at.step, "train_loss": epoch_loss, "train_loss_unmasked": unmasked_loss,
                       "train_images_per_s": trained.rate, "first_step_seconds": trained.first_step_seconds,
                       "skipped_steps": at.skipped, "resolution": trained.resolution,
                       "train_input_shape": trained.input_shape, **val}
