@@ -100,7 +100,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)", log_x=True),
         reference_set, arm_values=lambda arm, values: (None,) if arm == "standard" else values,
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18"), "small": ("demo", "hard", "demo_resnet18")},
-        setup_values={"demo_resnet18": (50, WHOLE), "gpu": (50, WHOLE)}, scales=(*PAPER_SCALES, "gpu")),
+        setup_values={"demo_resnet18": (50, WHOLE), "gpu": (50, WHOLE)}, scales=(*PAPER_SCALES, "gpu"),
+        arm_trained_by={"standard": "tab1"}),
     Experiment(
         "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
         "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
@@ -227,13 +228,28 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                                                  if value is not None else []) + [f"s{seed}"]
                     run_name = "-".join(parts)
                     trainer = EXPERIMENTS[experiment.trained_by] if experiment.trained_by else experiment
-                    train = [*setup.train, *arm_sets, *trainer.overrides(setup, arm, value)]
-                    if setup.epochs or setup.small_epochs:
-                        train.append(f"train.epochs={setup.epochs or trainer.small_epochs}")
-                    train += [f"train.seed={seed}", f"train.out_dir={Path(out) / trainer.name}",
-                              f"train.run_name={run_name}", f"train.device={device}",
-                              f"train.progress={str(progress).lower()}"]
+
+                    def training(by: Experiment) -> list[str]:
+                        train = [*setup.train, *arm_sets, *by.overrides(setup, arm, value)]
+                        if setup.epochs or setup.small_epochs:
+                            train.append(f"train.epochs={setup.epochs or by.small_epochs}")
+                        return train + [f"train.seed={seed}", f"train.out_dir={Path(out) / by.name}",
+                                        f"train.run_name={run_name}", f"train.device={device}",
+                                        f"train.progress={str(progress).lower()}"]
+
+                    train = training(trainer)
+                    shared = EXPERIMENTS[experiment.arm_trained_by[arm]] if arm in experiment.arm_trained_by else None
+                    if shared is not None and same_training(training(shared), train):
+                        trainer, train = shared, training(shared)
                     evaluate = [*setup.evaluation(ev), f"eval.seed={seed}"]
                     run = Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train), tuple(evaluate))
-                    runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, out)) if experiment.trained_by else run)
+                    runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, out)) if trainer is not experiment
+                                else run)
     return runs, notes
+
+
+def same_training(a: list[str], b: list[str]) -> bool:
+    """Whether two runs' train overrides train the same model (they differ at most in the folder they write)."""
+    def kept(overrides: list[str]) -> list[str]:
+        return [o for o in overrides if not o.startswith("train.out_dir=")]
+    return kept(a) == kept(b)

@@ -21,7 +21,7 @@ import yaml
 
 from conftest import TINY_SPEC, run_cli, run_main
 from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
-from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan
+from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan, same_training
 from fastanchor.reproduce.record import regenerate
 from fastanchor.reproduce.runs import View
 from fastanchor.reproduce.scales import TINY_EMBEDDED
@@ -87,13 +87,31 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
         overrides = sets(train) + sets(evaluate)
         values = dict(o.split("=", 1) for o in overrides)
         assert Path(evaluate[3]) == out / experiment / values["train.run_name"] / "final.pt"
-        # (tab3 evaluates tab1's models: they are trained in tab1's folder)
-        assert values["train.out_dir"] == str(out / (EXPERIMENTS[experiment].trained_by or experiment))
+        # (tab3 evaluates tab1's models: they are trained in tab1's folder; so is fig1's standard level line)
+        e = EXPERIMENTS[experiment]
+        assert values["train.out_dir"] in {str(out / (e.trained_by or experiment)),
+                                           *(str(out / e.arm_trained_by[a]) for a in e.arm_trained_by
+                                             if f"-{a}-" in values["train.run_name"])}
         seeds_seen.add(int(values["train.seed"]))
         config = load_config(train[3], overrides)  # raises on anything that does not parse
         assert config.train.epochs >= 100  # the paper's schedules, not a shortened one
         assert str(config.data.root).startswith(str(tmp_path / "data"))
     assert seeds_seen == set(range(EXPERIMENTS[experiment].seeds))
+
+
+def test_fig1s_standard_line_is_tab1s_standard_arm_where_the_training_is_the_same(tmp_path):
+    """fig1's standard runs train in tab1's folder (arm_trained_by) and are hard-linked into fig1's, so a sweep of both
+    trains each standard model once; a run whose training would differ (another epoch count) trains its own."""
+    out = str(tmp_path / "out")
+    runs, _ = plan(EXPERIMENTS["fig1"], "small", "", out, only_setups=("hard",))
+    standard = [r for r in runs if r.arm == "standard"]
+    assert standard and all(Path(r.all_steps(out)[0].output).parent.parent == Path(out) / "tab1" for r in standard)
+    tab1, _ = plan(EXPERIMENTS["tab1"], "small", "", out, only_setups=("hard",))
+    assert {r.name: r.train for r in standard} == {r.name: r.train for r in tab1 if r.arm == "standard"}
+    anchored = [r for r in runs if r.arm != "standard"]
+    assert all(Path(r.all_steps(out)[0].output).parent.parent == Path(out) / "fig1" for r in anchored)
+    assert not same_training(["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
+    assert same_training(["train.epochs=60", "train.out_dir=a"], ["train.epochs=60", "train.out_dir=b"])
 
 
 def test_set_reaches_every_step_of_every_run_and_only_what_each_takes(tmp_path):
