@@ -192,3 +192,19 @@ def test_a_finished_run_is_extended_by_more_epochs(tiny_dataset, tmp_path):
     shortened = run_main("train", "--resume", "auto", *args, "--set", "train.epochs=1")
     assert shortened.returncode == 2
     assert "--resume: train.epochs = 1, but checkpoint" in shortened.stderr and "is already in epoch 2" in shortened.stderr
+
+
+def test_checkpoint_steps_write_a_dense_early_window(tiny_dataset, tmp_path):
+    """train.checkpoint_steps adds mid-epoch checkpoints at those steps of the run, beside train.checkpoint_interval's
+    (er-finetune resolves the first steps of fine-tuning with them); a step that ends an epoch writes the epoch's."""
+    args = tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "dense", "train.epochs": 2,
+                                                      "train.checkpoint_steps": "[1, 2, 3]", "train.keep_checkpoints": 0})
+    result = run_main("train", *args)
+    assert result.returncode == 0, result.stderr
+    steps = json.loads((tmp_path / "dense" / "metrics.jsonl").read_text().splitlines()[-1])["step"] // 2
+    names = sorted(p.name for p in (tmp_path / "dense" / "checkpoints").iterdir())
+    mid = sorted(f"mid_epoch_001_step_{s:08d}.pt" for s in (1, 2, 3) if s < steps)  # step `steps` ends epoch 1
+    assert len(mid) >= 2
+    assert names == sorted([*mid, "epoch_001.pt", "epoch_002.pt"]), names
+    bad = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.checkpoint_steps": "[0, 2]"}))
+    assert bad.returncode != 0 and "train.checkpoint_steps = [0, 2]: expected steps >= 1" in bad.stderr

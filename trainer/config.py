@@ -161,6 +161,7 @@ class TrainConfig:
     wandb: str = option("", "also log to this Weights & Biases project ('' off; the wandb extra; WANDB_MODE=offline works)")
     mlflow: str = option("", "also log to this MLflow tracking URI, e.g. http://host:5000 ('' off; the mlflow extra)")
     checkpoint_interval: int = option(0, "steps between mid-epoch checkpoints (0: only at the end of each epoch)")
+    checkpoint_steps: list[int] = option([], "further steps (of the run) that write a mid-epoch checkpoint: a dense early window")
     keep_checkpoints: int = option(10, "newest checkpoints kept in <run>/checkpoints, older ones deleted (0 keeps all)")
     nonfinite: str = option("stop", "on a nan/inf loss: stop the run naming the step, or skip that step's update", choices=("stop", "skip"))
     deterministic: bool = option(False, "deterministic kernels only (torch.use_deterministic_algorithms; cuDNN benchmark off)")
@@ -419,6 +420,7 @@ def _train_checks(t: TrainConfig):
     yield "epochs", t.epochs >= 1, ">= 1"
     yield "log_interval", t.log_interval >= 1, ">= 1"
     yield "checkpoint_interval", t.checkpoint_interval >= 0, ">= 0 steps (0: end of epoch only)"
+    yield "checkpoint_steps", all(isinstance(s, int) and s >= 1 for s in t.checkpoint_steps), "steps >= 1"
     yield "keep_checkpoints", t.keep_checkpoints >= 0, ">= 0 (0 keeps all)"
     yield "max_steps", t.max_steps >= 0, ">= 0 (0: train every epoch)"
     yield "device", DEVICE.fullmatch(t.device) is not None, "auto, cpu, cuda or cuda:N (N a device number)"

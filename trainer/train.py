@@ -145,8 +145,8 @@ def run_training(config: Config, resume: str | None, processes: Processes, devic
             at.epoch = epoch
             trained = train_one_epoch(run, state, at, log, resolution=training_resolution(config.data, epoch),
                                       epochs=epochs, log_interval=t.log_interval, max_steps=t.max_steps,
-                                      checkpoint_interval=t.checkpoint_interval, processes=processes, show=show,
-                                      shown_loss=shown_loss)
+                                      checkpoint_interval=t.checkpoint_interval, checkpoint_steps=set(t.checkpoint_steps),
+                                      processes=processes, show=show, shown_loss=shown_loss)
             if trained.stopped:  # train.max_steps: a smoke test of the recipe, no validation, no checkpoint
                 return folder.root
             epoch_loss, unmasked_loss = run.losses.read_epoch(processes)
@@ -196,11 +196,12 @@ class EpochStats:
 
 
 def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: MetricsLog, *, resolution: int, epochs: int,
-                    log_interval: int, max_steps: int, checkpoint_interval: int, processes: Processes, show: bool,
-                    shown_loss: float) -> EpochStats:
+                    log_interval: int, max_steps: int, checkpoint_interval: int, checkpoint_steps: set[int],
+                    processes: Processes, show: bool, shown_loss: float) -> EpochStats:
     """Epoch `at.epoch` from batch `at.batch` on, at `resolution` px (progressive resizing; evaluation stays at
     data.image_size): data -> anchoring stage -> step, the loss logged every `log_interval` steps (the one device
-    sync), a mid-epoch checkpoint every `checkpoint_interval` steps (0: none), a stop at step `max_steps`."""
+    sync), a mid-epoch checkpoint every `checkpoint_interval` steps (0: none) and at each of `checkpoint_steps`, a stop
+    at step `max_steps`."""
     run.step.model.train()
     run.loader.set_epoch(at.epoch)
     run.loader.set_image_size(resolution)
@@ -232,7 +233,8 @@ def train_one_epoch(run: Training, state: TrainingState, at: Progress, log: Metr
                  "lr": lr, "masked": window["masked"], "images_per_s": images_per_s, "skipped_steps": at.skipped})
         loss_shown = {} if math.isnan(stats.shown_loss) else {"loss": f"{stats.shown_loss:.3f}"}  # none logged yet
         bar.set_postfix(**loss_shown, img_s=f"{images_per_s:.0f}", lr=f"{lr:.3g}")
-        if checkpoint_interval and at.step % checkpoint_interval == 0 and at.batch < run.steps_per_epoch:
+        due = (checkpoint_interval and at.step % checkpoint_interval == 0) or at.step in checkpoint_steps
+        if due and at.batch < run.steps_per_epoch:
             state.save(at, {"step": at.step, "epoch": round(at.step / run.steps_per_epoch, 4)})
         if at.step == max_steps:
             stats.stopped = True

@@ -27,7 +27,8 @@ from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 CHANGEABLE = (
     "train.epochs",  # extends (or shortens) the run: its learning-rate schedule is recomputed for the new length
-    "train.progress", "train.tensorboard", "train.csv", "train.wandb", "train.mlflow", "train.threads", "train.device", "train.collective_timeout", "train.log_interval", "train.checkpoint_interval",
+    "train.progress", "train.tensorboard", "train.csv", "train.wandb", "train.mlflow", "train.threads", "train.device",
+    "train.collective_timeout", "train.log_interval", "train.checkpoint_interval", "train.checkpoint_steps",
     "train.keep_checkpoints", "train.out_dir", "train.run_name", "data.root", "data.cifar_dir", "data.workers",
     "data.eval_batch_size",
 )
