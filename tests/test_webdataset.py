@@ -2,6 +2,7 @@
 folder or over HTTP (a loopback server), sharded by process and worker, resumes at the right batch, and gives the
 ImageFolder loader's batches where the order is the same; a corrupted shard and bad roots are one error line."""
 
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -44,18 +45,28 @@ def prepared(tiny_dataset, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def served(prepared):
-    """The shard folders over HTTP: a loopback server (the standard library's, no range requests) in a thread."""
+@contextlib.contextmanager
+def serve(folder: Path):
+    """`folder` over HTTP: a loopback server (the standard library's, no range requests) in a thread; its URL."""
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(prepared / "wds")))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(prepared):
+    """The shard folders over HTTP."""
+    with serve(prepared / "wds") as url:
+        yield url
 
 
 def spec(**changes) -> LoaderSpec:

@@ -211,7 +211,10 @@ def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: in
 
 
 def loader_knobs(data: DataConfig, name: str, *, train: bool) -> dict:
-    """The keywords of loader `name` beyond its LoaderSpec that data.* sets (FFCV's order and page cache)."""
+    """The keywords of loader `name` beyond its LoaderSpec that data.* sets (FFCV's order and page cache, where DALI
+    keeps a URL's shards)."""
+    if name == "dali-webdataset":
+        return {"shard_cache": data.shard_cache or None}
     if name != "ffcv":
         return {}
     return {"order": data.ffcv_order, "os_cache": data.ffcv_os_cache} if train else {"os_cache": data.ffcv_os_cache}
@@ -228,7 +231,8 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
     if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id
         return make_loader("ffcv", ensure_beton(data, index, progress), spec, labels=labels,
                            **loader_knobs(data, "ffcv", train=True))
-    return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec)
+    return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec,
+                       **loader_knobs(data, data.loader, train=True))
 
 
 def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
@@ -242,7 +246,7 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
         return make_loader("torchvision", index, spec, corruption=corruption)
     if data.loader == "ffcv":
         return make_loader("ffcv", ensure_beton(data, index, progress), spec, **loader_knobs(data, "ffcv", train=False))
-    return make_loader(data.loader, index, spec)
+    return make_loader(data.loader, index, spec, **loader_knobs(data, data.loader, train=False))
 
 def reference_indices(population: int, count: int, seed: int) -> list[int]:
     """`count` positions out of range(`population`) drawn without replacement (all of them, permuted, when

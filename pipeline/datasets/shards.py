@@ -35,6 +35,7 @@ from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, check_ima
 FORMAT = "fastanchor-wds-manifest"
 VERSION = 1
 MANIFEST = "manifest.json"
+UNREACHED = " or its server cannot be reached"  # fsspec's HTTP raises FileNotFoundError for both
 IMAGE_KEYS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".bmp": "bmp", ".webp": "webp", ".ppm": "ppm",
               ".tif": "tif", ".tiff": "tif"}  # an image's format (by content) -> its member's extension
 
@@ -138,7 +139,7 @@ def _read_shard_set(root: str, stamp) -> ShardSet:
     return ShardSet(root, classes, tuple(shards), np.asarray(labels, dtype=np.int64), np.asarray(sources, dtype=np.int64))
 
 
-class _Hashing(io.RawIOBase):
+class HashingReader(io.RawIOBase):
     """A file object passing `stream`'s bytes through, counting them into a sha256."""
 
     def __init__(self, stream):
@@ -165,14 +166,15 @@ def read_shard(shards: ShardSet, position: int) -> list[tuple[str, bytes, int]]:
     members: dict[str, dict[str, bytes]] = {}
     try:
         with open_stream(url) as raw:
-            hashing = _Hashing(raw)
+            hashing = HashingReader(raw)
             for member in tar_file_iterator(io.BufferedReader(hashing, 1 << 20)):
                 key, extension = base_plus_ext(member["fname"])
                 members.setdefault(key, {})[extension] = member["data"]
             while hashing.read(1 << 20):  # the tar's end-of-archive padding, for the checksum
                 pass
     except FileNotFoundError:
-        raise DataError(f"shard '{url}' does not exist: its manifest names it (write the shards again)") from None
+        raise DataError(f"shard '{url}' does not exist{UNREACHED if is_url(url) else ''}: its manifest names it "
+                        f"(write the shards again)") from None
     except Exception as error:  # noqa: BLE001 - tarfile, fsspec and HTTP raise assorted errors for a bad stream
         raise DataError(f"shard '{url}' cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
                         f"write the shards again") from None
