@@ -31,6 +31,11 @@ class ImageFolderIndex:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def sample(self, i: int):
+        """(the image of sample i, decoded with PIL and converted to RGB, its label)."""
+        path, label = self.samples[i]
+        return load_rgb(path), label
+
 
 class IndexedFiles:
     """(read(path), label) per sample of an ImageFolder index: a map-style dataset for torch's DataLoader (or

@@ -94,6 +94,17 @@ def open_stream(url: str):
 # Reading
 
 
+def has_manifest(root: str | Path) -> bool:
+    """Whether the shard folder `root` (a path or URL) has a manifest (a URL is asked for it; nothing is read)."""
+    if not is_url(root):
+        return (Path(root) / MANIFEST).is_file()
+    try:
+        with open_stream(join(root, MANIFEST)):
+            return True
+    except FileNotFoundError:
+        return False
+
+
 def read_shard_set(root: str | Path) -> ShardSet:
     """The shard folder at `root` (a path, or a URL of the folder or of its manifest.json), its manifest read once per
     process (a local manifest again when it changes)."""
