@@ -18,6 +18,9 @@ Under torchrun every set is shared out by whole batches (batch k to process k mo
 reference draws seeded by its own number (`batch_generator`), and the outputs gathered in the set's order: the
 numbers are one process's. Only rank 0 writes.
 
+A checkpoint trained from WebDataset shards is evaluated from its shards (`evaluation_images`: the sets read by
+sample read each image from its tar by offset; docs/loaders.md).
+
 The references are the checkpoint's inference reference set: the training reference set R itself
 when training used a fixed R (up to anchor.inference_references images), else a uniform sample of
 the training images. BLT's residuals and ReAct's threshold come from it too.
@@ -49,6 +52,7 @@ from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transfor
 from fastanchor.trainer.batchnorm import batchnorm_layers, recalibrate
 from fastanchor.trainer.build import (
     eval_loader,
+    evaluation_images,
     load_for_inference,
     loader_for,
     ood_sets,
@@ -417,16 +421,17 @@ def evaluate_checkpoint(path: str | Path, overrides=(), device: str = "auto", pr
 
 
 def evaluate_in_processes(path: Path, overrides, device: torch.device, progress: bool, processes: Processes) -> dict:
-    model, config, state = load_for_inference(path, device, overrides)
+    model, config, state = load_for_inference(path, device, overrides, shards=True)
     e, d = config.eval, config.data
     classes = tuple(state["classes"])
 
     # every set is found and checked before the model runs
-    val_index = split_index(d, d.val_split, classes)
-    shifts = shift_sets(config, val_index, classes)
+    val_index = split_index(d, d.val_split, classes)  # a tree's index, or a shard folder's manifest
+    val_images = evaluation_images(d, val_index)  # what the sets below read by sample
+    shifts = shift_sets(config, val_images, classes)
     oods = ood_sets(config)
     if e.max_images or processes.several:  # a subset, or shared out: decoded by the torchvision path like every other set
-        dataset = DecodedImages(val_index, eval_transform(d.image_size, d.crop_ratio))
+        dataset = DecodedImages(val_images, eval_transform(d.image_size, d.crop_ratio))
         id_source = lambda: subset(dataset, e.max_images, e.seed) if e.max_images else dataset  # noqa: E731
     else:
         id_source = lambda: eval_loader(d, val_index, device, progress=progress and config.train.progress)  # noqa: E731

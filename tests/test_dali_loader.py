@@ -101,9 +101,10 @@ def test_eval_decoding_agrees_with_torchvision(indexes):
 def test_eval_geometry_and_modes_match_torchvision_on_odd_images(indexes, tmp_path, capsys):
     """Non-square images (the resize rounds the longer side, the crop centres it), grayscale and
     CMYK JPEGs, palette and RGBA PNGs, and a PNG named .JPEG (ImageNet-1k's n02105855_2933.JPEG): every
-    mode becomes RGB as in load_rgb, every file is read by its content, and the mislabelled one is
-    counted in the index and reported once. Measured: mean 0.1 to 0.2 per image, max 1 (3 for the
-    palette PNG at 32 px / 1.0, a downscale of 97 x 71)."""
+    mode becomes RGB as in load_rgb, every file is read by its content, and the mislabelled and CMYK
+    ones are counted in the index and reported once (tests/test_image_quirks.py: bit for bit where
+    nothing is resized). Measured: mean 0.1 to 0.2 per image, max 1 (3 for the palette PNG at
+    32 px / 1.0, a downscale of 97 x 71)."""
     _, val = indexes
     base = Image.open(val.samples[0][0]).convert("RGB").resize((97, 71))
     (tmp_path / "a").mkdir()
@@ -120,7 +121,9 @@ def test_eval_geometry_and_modes_match_torchvision_on_odd_images(indexes, tmp_pa
     scan_image_folder(tmp_path)  # the same tree again: not reported twice
     reported = capsys.readouterr().err.splitlines()
     assert reported == [f"{tmp_path}: 1 image file(s) hold another format than their name says (e.g. "
-                        f"'{tmp_path / 'b' / 'n02105855_2933.JPEG'}' is PNG data): decoded by their content"]
+                        f"'{tmp_path / 'b' / 'n02105855_2933.JPEG'}' is PNG data): decoded by their content",
+                        f"{tmp_path}: 1 CMYK JPEG(s) (e.g. '{tmp_path / 'b' / 'cmyk.jpg'}'): converted to RGB as PIL "
+                        f"converts them"]
     for size, crop_ratio in ((SIZE, 0.875), (SIZE, 1.0), (20, 0.6)):
         images = torch.cat([images for images, _ in eval_loader(index, image_size=size, crop_ratio=crop_ratio)]).float()
         difference = (images - torchvision_eval(index, size, crop_ratio)).abs()

@@ -1,7 +1,8 @@
 """DALI over WebDataset shards (data.loader=dali-webdataset): `readers.webdataset` reads a local shard folder through
 index files DALI's own `wds2idx` would write, built once; an epoch is the webdataset loader's order of samples, and its
-batches are those of DALI over the ImageFolder files read in that order (decoding, crops and flips alike); training
-and an exact mid-epoch resume through the CLI; bad indexes, corrupted shards and URLs are one line."""
+batches are those of DALI over the ImageFolder files read in that order (decoding, crops and flips alike); from a URL
+(a loopback HTTP server), each shard is fetched once into a local cache and the batches are the local folder's;
+training and an exact mid-epoch resume through the CLI; bad indexes and corrupted shards are one line."""
 
 import shutil
 from collections import Counter
@@ -13,14 +14,14 @@ import torch
 pytest.importorskip("nvidia.dali", reason="NVIDIA DALI (the 'dali' extra) is not installed")
 
 from conftest import run_main, tiny_overrides
-from fastanchor.errors import ConfigError
+from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.datasets.shard_index import INDEX_FOLDER, ensure_indexes
 from fastanchor.pipeline.datasets.shards import read_shard_set
 from fastanchor.pipeline.loaders import registry
 from fastanchor.pipeline.loaders.dali import DALILoader
 from fastanchor.trainer.checkpoint.file import latest_checkpoint
-from test_webdataset import prepared, served, spec  # noqa: F401 - the shard folders `prepare --format wds` wrote
+from test_webdataset import prepared, serve, served, spec  # noqa: F401 - the shard folders `prepare --format wds` wrote
 
 pytestmark = pytest.mark.slow  # DALI pipelines over shards: about 17 s in all (make test runs them)
 
@@ -109,7 +110,8 @@ def test_training_batches_are_dali_over_the_files_in_the_webdataset_loaders_orde
         assert stream.tolist() == np.concatenate(webdataset.batches()).tolist()
 
 
-def test_trains_and_resumes_mid_epoch_to_the_uninterrupted_runs_weights(prepared, tmp_path):
+def test_trains_and_resumes_mid_epoch_to_the_uninterrupted_runs_weights_and_over_http_to_the_same(prepared, served,
+                                                                                                     tmp_path):
     settings = {"data.loader": LOADER, "data.batch_size": 8, "data.workers": 1, "train.threads": 1,
                 "train.deterministic": "true", "train.checkpoint_interval": 2, "optim.name": "sgd"}
     whole = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **settings, **{"train.run_name": "whole"}))
@@ -129,6 +131,78 @@ def test_trains_and_resumes_mid_epoch_to_the_uninterrupted_runs_weights(prepared
     for key, value in finished["model"].items():
         assert torch.equal(again["model"][key], value), key
 
+    # the same shards over HTTP, copied into data.shard_cache as DALI needs them: the same run, bit for bit
+    over_http = run_main("train", *tiny_overrides(served, tmp_path, **settings, **{
+        "train.run_name": "http", "data.shard_cache": tmp_path / "cache"}))
+    assert over_http.returncode == 0, over_http.stderr
+    from_url = torch.load(tmp_path / "http" / "final.pt", weights_only=True)
+    for key, value in finished["model"].items():
+        assert torch.equal(from_url["model"][key], value), key
+    port = served.rpartition(":")[2]
+    assert sorted(path.name.rpartition("-")[0] for path in (tmp_path / "cache").iterdir()) == \
+        [f"127.0.0.1_{port}_train", f"127.0.0.1_{port}_val"]  # training and its validation, each from its copy
+
+
+def test_shards_at_a_url_are_fetched_once_as_an_epoch_needs_them_and_read_as_the_local_folders(prepared, tmp_path):
+    """DALI reads local files: from a URL, each shard an epoch of this process reads is downloaded into the cache
+    (checked against the manifest, its index built there) before the epoch's pipeline; the batches are those over
+    the local folder, and a later epoch reads the copies (the served shards removed, it still runs)."""
+    folder, cache = tmp_path / "served", tmp_path / "cache"
+    shutil.copytree(prepared / "wds", folder, ignore=shutil.ignore_patterns(INDEX_FOLDER))
+    local_train = read_shard_set(prepared / "wds" / "train")
+    with serve(folder) as url:
+        half = registry.make(LOADER, read_shard_set(f"{url}/train"), spec(rank=0, world_size=2), shard_cache=cache)
+        list(half)  # epoch 0 of process 0 of 2: its own shards, no other
+        (copy,) = cache.iterdir()
+        mine = sorted({local_train.shards[p].name for p in local_train.shard_of()[half.epoch_order(0)].tolist()})
+        assert sorted(path.name for path in copy.glob("*.tar")) == mine and len(mine) < len(local_train.shards)
+
+        for split, train in (("val", False), ("train", True)):
+            local = registry.make(LOADER, read_shard_set(prepared / "wds" / split), spec(train=train))
+            remote = registry.make(LOADER, read_shard_set(f"{url}/{split}"), spec(train=train), shard_cache=cache)
+            for epoch in (1, 2):
+                if epoch == 2:  # everything is in the cache by now
+                    for shard in (folder / split).glob("*.tar"):
+                        shard.unlink()
+                local.set_epoch(epoch)
+                remote.set_epoch(epoch)
+                for (images, labels), (want_images, want_labels) in zip(remote, local, strict=True):
+                    assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+    for copy in cache.iterdir():
+        split = copy.name.rpartition("-")[0].rpartition("_")[2]
+        original = prepared / "wds" / split
+        assert sorted(path.name for path in copy.iterdir()) == sorted(path.name for path in original.iterdir()
+                                                                      if path.name != "manifest.json")  # nothing torn
+        for path in original.glob("*.tar"):
+            assert (copy / path.name).read_bytes() == path.read_bytes()
+        for path in (original / INDEX_FOLDER).iterdir():
+            assert (copy / INDEX_FOLDER / path.name).read_text() == path.read_text()  # indexed once, as prepare does
+
+
+def test_a_corrupted_shard_at_a_url_is_one_line_and_nothing_in_the_cache(prepared, tmp_path):
+    folder, cache = tmp_path / "served", tmp_path / "cache"
+    shutil.copytree(prepared / "wds", folder)
+    shard = folder / "train" / "shard-000002.tar"
+    data = bytearray(shard.read_bytes())
+    data[1000] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with serve(folder) as url:
+        loader = registry.make(LOADER, read_shard_set(f"{url}/train"), spec(train=False), shard_cache=cache)
+        with pytest.raises(DataError, match=f"^shard '{url}/train/shard-000002.tar' does not match its manifest "
+                                            f"\\([0-9]+ bytes, sha256 [0-9a-f]{{16}}\\.\\.\\., expected"):
+            list(loader)
+        (copy,) = cache.iterdir()
+        assert sorted(path.name for path in copy.iterdir()) == ["shard-000000.tar", "shard-000001.tar"]  # no torn copy
+        shard.unlink()
+        with pytest.raises(DataError, match=f"^shard '{url}/train/shard-000002.tar' does not exist or its server cannot "
+                                            f"be reached: its manifest names it"):
+            list(loader)
+        (tmp_path / "file").write_text("")
+        unwritable = registry.make(LOADER, read_shard_set(f"{url}/val"), spec(train=False), shard_cache=tmp_path / "file")
+        with pytest.raises(DataError, match=f"^cannot copy shard '{url}/val/shard-000000.tar' into the shard cache "
+                                            f"'{tmp_path / 'file'}/"):
+            list(unwritable)
+
 
 def first_line(result) -> str:
     assert result.returncode == 2, result.stderr[-2000:]
@@ -137,7 +211,7 @@ def first_line(result) -> str:
     return lines[0]
 
 
-def test_bad_indexes_corrupted_shards_and_urls_are_one_line(prepared, served, tmp_path):
+def test_bad_indexes_and_corrupted_shards_are_one_line(prepared, tmp_path):
     copy = tmp_path / "wds"
     shutil.copytree(prepared / "wds", copy)
     runs = iter(range(10))
@@ -167,9 +241,6 @@ def test_bad_indexes_corrupted_shards_and_urls_are_one_line(prepared, served, tm
     assert (copy / "train" / INDEX_FOLDER / indexes[2].name).read_text() == (prepared / "wds" / "train" / INDEX_FOLDER
                                                                             / indexes[2].name).read_text()
 
-    with pytest.raises(ConfigError, match=f"^DALI reads local shard folders, not '{served}/train': use "
-                                          f"data.loader=webdataset for a URL$"):
-        registry.make(LOADER, read_shard_set(f"{served}/train"), spec())
     with pytest.raises(ConfigError, match="has 5 shard\\(s\\) for 8 training processes"):
         registry.make(LOADER, read_shard_set(prepared / "wds" / "train"), spec(rank=0, world_size=8))
 

@@ -1,7 +1,7 @@
 """Several training processes (torchrun, gloo on the CPU): sharded data, the same training as one
-process with the same global batch, an exact resume of a 2-process run, its resume with 1 process,
-a process killed under torchrun --max-restarts (the run goes on from its last checkpoint), and a
-process failing (every process ends, with its message)."""
+process with the same global batch, a 2-process run killed mid-epoch (SIGKILL) resumed with 2 processes
+(bit for bit) and with 1, a process killed under torchrun --max-restarts (the run goes on from its last
+checkpoint), and a process failing (every process ends, with its message)."""
 
 import json
 import os
@@ -21,7 +21,7 @@ from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
 from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.loaders.order import epoch_shard
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, TorchvisionLoader, train_transform
-from fastanchor.trainer.checkpoint.file import checkpoint_name
+from fastanchor.trainer.checkpoint.file import checkpoint_name, latest_checkpoint
 
 pytestmark = pytest.mark.slow  # two training processes under torchrun, several times
 
@@ -66,6 +66,20 @@ def two_process_run(tiny_dataset, tmp_path_factory):
     return root / "two"
 
 
+@pytest.fixture(scope="module")
+def killed_run(tiny_dataset, tmp_path_factory):
+    """`two_process_run` killed mid-epoch: rank 1 SIGKILLs itself after step 5 (epoch 2, batch 2 of 3) and torchrun
+    (no restarts) ends rank 0; the newest checkpoint the run left is step 4's, mid-epoch."""
+    root = tmp_path_factory.mktemp("killed")
+    args = tiny_overrides(tiny_dataset, root, **STANDARD, **{"data.batch_size": GLOBAL_BATCH // 2, "train.run_name": "two"})
+    result = torchrun(2, "train", *args, env={"FASTANCHOR_TEST_FAULT": "kill:1:5"}, succeeds=False, timeout=180)
+    assert "failed (exitcode: -9) local_rank: 1" in result.stderr
+    run = root / "two"
+    assert not run.joinpath("final.pt").exists()
+    assert latest_checkpoint(run / "checkpoints").name == checkpoint_name(2, 4, False)
+    return run
+
+
 def test_two_processes_train_like_one_with_the_same_global_batch(two_process_run, tiny_dataset, tmp_path):
     one = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **STANDARD, **{
         "data.batch_size": GLOBAL_BATCH, "train.run_name": "one"}))
@@ -91,10 +105,11 @@ def test_two_processes_train_like_one_with_the_same_global_batch(two_process_run
                 assert b[key] == pytest.approx(a[key], rel=1e-4), key
 
 
-def test_a_two_process_run_resumes_exactly_from_a_mid_epoch_checkpoint(two_process_run, tmp_path):
+def test_a_two_process_run_killed_mid_epoch_resumes_exactly_with_two(two_process_run, killed_run, tmp_path):
+    """Resumed from the newest checkpoint the kill left: the uninterrupted run's weights and last loss, bit for bit."""
     finished = torch.load(two_process_run / "final.pt", weights_only=True)
     run = tmp_path / "two"
-    shutil.copytree(two_process_run, run, symlinks=True)
+    shutil.copytree(killed_run, run, symlinks=True)
     resumed = torchrun(2, "train", "--resume", run / "checkpoints" / checkpoint_name(2, 4, False),
                        "--set", "train.progress=false")
     assert "resuming from" in resumed.stdout and "(epoch 2, batch 1 of 3, step 4)" in resumed.stdout
@@ -104,10 +119,10 @@ def test_a_two_process_run_resumes_exactly_from_a_mid_epoch_checkpoint(two_proce
     assert read_jsonl(run / "metrics.jsonl")[-1]["train_loss"] == read_jsonl(two_process_run / "metrics.jsonl")[-1]["train_loss"]
 
 
-def test_a_two_process_run_goes_on_with_one_process_from_a_mid_epoch_checkpoint(two_process_run, tmp_path):
+def test_a_two_process_run_killed_mid_epoch_goes_on_with_one_process(two_process_run, killed_run, tmp_path):
     """The node of rank 1 is gone: one process takes the whole global batch from the position in the epoch on."""
     run = tmp_path / "two"
-    shutil.copytree(two_process_run, run, symlinks=True)
+    shutil.copytree(killed_run, run, symlinks=True)
     resumed = run_main("train", "--resume", run / "checkpoints" / checkpoint_name(2, 4, False))
     assert resumed.returncode == 0, resumed.stderr
     assert "(epoch 2, batch 1 of 3, step 4)" in resumed.stdout

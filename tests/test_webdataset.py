@@ -2,6 +2,7 @@
 folder or over HTTP (a loopback server), sharded by process and worker, resumes at the right batch, and gives the
 ImageFolder loader's batches where the order is the same; a corrupted shard and bad roots are one error line."""
 
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -14,16 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from conftest import TINY_SPEC, run_main, tiny_overrides
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.datasets.imagefolder import scan_image_folder
+from fastanchor.pipeline.datasets.shard_files import ShardFiles
 from fastanchor.pipeline.datasets.shards import MANIFEST, Shard, ShardSet, read_shard_set
 from fastanchor.pipeline.loaders import registry
 from fastanchor.pipeline.loaders.spec import LoaderSpec
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, SeededSamples, from_spec
-from fastanchor.pipeline.loaders.transforms import epoch_draws, train_transform
+from fastanchor.pipeline.loaders.transforms import epoch_draws, eval_transform, train_transform
 from fastanchor.pipeline.loaders.order import epoch_stream
 from fastanchor.pipeline.loaders.wds import delivery_order
 from test_resume import kill_and_resume
@@ -44,18 +46,28 @@ def prepared(tiny_dataset, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def served(prepared):
-    """The shard folders over HTTP: a loopback server (the standard library's, no range requests) in a thread."""
+@contextlib.contextmanager
+def serve(folder: Path):
+    """`folder` over HTTP: a loopback server (the standard library's, no range requests) in a thread; its URL."""
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(prepared / "wds")))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(prepared):
+    """The shard folders over HTTP."""
+    with serve(prepared / "wds") as url:
+        yield url
 
 
 def spec(**changes) -> LoaderSpec:
@@ -153,14 +165,57 @@ def test_the_epoch_plan_shards_by_process_and_worker():
     assert delivery_order(7, 2) == [0, 4, 1, 5, 2, 6, 3] and delivery_order(3, 0) == [0, 1, 2]
 
 
-def test_trains_from_local_shards_and_evaluation_asks_for_the_tree(prepared, tmp_path):
+def test_evaluation_reads_any_sample_of_a_shard_folder_by_one_seek(prepared, tmp_path):
+    """ShardFiles (evaluation's map-style sets over shards): sample `key` is the tree's image at its source position,
+    in any order and in DataLoader workers; a shard cut after its index was built is one line naming it."""
+    index = scan_image_folder(prepared / "val")
+    files = ShardFiles(read_shard_set(prepared / "wds" / "val"))
+    transform = eval_transform(16, 0.875)
+    keys = [23, 0, 11, 12, 5]  # across the shards, backwards and forwards
+    for key in keys:
+        image, label = files.sample(key)
+        want_image, want_label = index.sample(key)  # other splits than train are written in index order
+        assert label == want_label and np.array_equal(np.asarray(image), np.asarray(want_image))
+    from_shards = DataLoader(Subset(DecodedImages(files, transform), keys), batch_size=2, num_workers=2)
+    from_tree = DataLoader(Subset(DecodedImages(index, transform), keys), batch_size=2)
+    for (images, labels), (want_images, want_labels) in zip(from_shards, from_tree, strict=True):
+        assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+
+    copy = tmp_path / "val"
+    shutil.copytree(prepared / "wds" / "val", copy)
+    cut = ShardFiles(read_shard_set(copy))
+    last = copy / "shard-000002.tar"
+    last.write_bytes(last.read_bytes()[:2048])
+    with pytest.raises(DataError, match=f"^shard '{last}' ends inside sample 000000020: write the shards again$"):
+        cut.sample(20)
+
+
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
+def test_trains_from_local_shards_and_evaluates_from_them_and_over_http_to_the_trees_numbers(prepared, served, tmp_path):
+    """`evaluate` of a checkpoint trained from shards reads the shards (validation, the corruptions made from it, the
+    OOD split; over HTTP through a local copy): eval.json's numbers are those from the ImageFolder tree."""
+    from test_distributed import metrics_of
+
     result = run_main("train", *tiny_overrides(prepared / "wds", tmp_path, **{
         "data.loader": "webdataset", "data.workers": 1, "train.run_name": "local"}))
     assert result.returncode == 0, result.stderr
     metrics = [json.loads(line) for line in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 3 and "val_top1" in metrics[-1]  # 48 images, batch 16: 3 steps, then validation
-    refused = run_main("evaluate", "--checkpoint", tmp_path / "local" / "final.pt")
-    assert refused.returncode == 2 and "evaluation reads ImageFolder trees; add --set data.loader=torchvision" in refused.stderr
+    checkpoint, written = tmp_path / "local" / "final.pt", tmp_path / "local" / "eval.json"
+    found = {}
+    for name, settings in (("shards", []), ("http", ["--set", f"data.root={served}", "--set", f"data.shard_cache={tmp_path}/cache"]),
+                           ("tree", ["--set", "data.loader=torchvision", "--set", f"data.root={prepared}"])):
+        evaluated = run_main("evaluate", "--checkpoint", checkpoint, "--set", "eval.plots=false", *settings)
+        assert evaluated.returncode == 0, evaluated.stderr
+        found[name] = json.loads(written.read_text())
+    assert found["shards"]["shifts"]["gaussian_noise@3"]["source"] == f"on the fly from {prepared / 'wds' / 'val'}"
+    assert found["http"]["shifts"]["gaussian_noise@3"]["source"] == f"on the fly from {served}/val"
+    assert found["tree"]["id"]["images"] == 24 and set(found["tree"]["ood"]["sets"]) == {"ood"}
+    numbers = {name: metrics_of(result) for name, result in found.items()}
+    assert len(numbers["tree"]) > 100
+    assert numbers["shards"] == numbers["http"] == numbers["tree"]  # the same bytes, decoded and ordered alike
+    refused = run_main("linear-probe", "--checkpoint", checkpoint)
+    assert refused.returncode == 2 and "this command reads ImageFolder trees (evaluate reads the shards)" in refused.stderr
 
 
 @pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not

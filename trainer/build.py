@@ -39,8 +39,9 @@ from fastanchor.pipeline.datasets.cifar import ensure_cifar_tree
 from fastanchor.pipeline.shifts.corruptions_bar import IMAGENET_C_BAR_LEVELS
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset
 from fastanchor.pipeline.datasets.shard_index import ensure_indexes
+from fastanchor.pipeline.datasets.shard_files import ShardFiles
 from fastanchor.pipeline.datasets.shards import (
-    MANIFEST, ShardSet, is_url, join, read_shard_set, shard_images, shards_current, write_shards)
+    MANIFEST, ShardSet, has_manifest, is_url, join, read_shard_set, shard_images, shards_current, write_shards)
 from fastanchor.pipeline.augment.erasing import RandomErasing
 from fastanchor.pipeline.shifts.eval_sets import (
     EvalSet,
@@ -92,15 +93,17 @@ def build_model(config: Config, num_classes: int, device: torch.device, *, pretr
     return model
 
 
-def load_for_inference(path: str | Path, device: torch.device, overrides=()) -> tuple[torch.nn.Module, Config, dict]:
+def load_for_inference(path: str | Path, device: torch.device, overrides=(), *,
+                       shards: bool = False) -> tuple[torch.nn.Module, Config, dict]:
     """The model of checkpoint `path` in eval mode on `device`, rebuilt by `build_model` from the checkpoint's own
-    config (with `overrides`, ``section.key=value`` texts, applied and validated), its config, and the checkpoint."""
+    config (with `overrides`, ``section.key=value`` texts, applied and validated), its config, and the checkpoint.
+    `shards`: the caller reads the data of a checkpoint trained from shards (evaluate does; the others refuse it)."""
     state = load_checkpoint(path)
     config = with_overrides(config_from_dict(state["config"]), overrides)
-    if reads_shards(config.data.loader):
-        raise ConfigError(f"checkpoint '{path}' was trained from WebDataset shards (data.loader = '{config.data.loader}'): evaluation "
-                          f"reads ImageFolder trees; add --set data.loader=torchvision --set data.root=<the tree the shards "
-                          f"were written from>")
+    if reads_shards(config.data.loader) and not shards:
+        raise ConfigError(f"checkpoint '{path}' was trained from WebDataset shards (data.loader = '{config.data.loader}'): this "
+                          f"command reads ImageFolder trees (evaluate reads the shards); add --set data.loader=torchvision "
+                          f"--set data.root=<the tree the shards were written from>")
     model = build_model(config, len(state["classes"]), device, pretrained=False)  # the network trained, as trained
     model.load_state_dict(state["model"])
     return model.eval(), config, state
@@ -136,6 +139,12 @@ def ensure_dataset(config: Config, progress: bool = True) -> Path:
         except ValueError as error:  # the generator's own checks, re-raised as one user-facing line
             raise DataError(str(error)) from None
     return root
+
+
+def evaluation_images(data: DataConfig, index: ImageFolderIndex | ShardSet) -> ImageFolderIndex | ShardFiles:
+    """What evaluation's map-style sets read a split from: the tree's index, or a shard folder's images by key
+    (ShardFiles: a URL's shards copied into data.shard_cache first)."""
+    return ShardFiles(index, data.shard_cache or None) if isinstance(index, ShardSet) else index
 
 
 def split_index(data: DataConfig, split: str, classes: tuple[str, ...] | None = None) -> ImageFolderIndex | ShardSet:
@@ -211,7 +220,10 @@ def loader_spec(data: DataConfig, device: torch.device, *, train: bool, seed: in
 
 
 def loader_knobs(data: DataConfig, name: str, *, train: bool) -> dict:
-    """The keywords of loader `name` beyond its LoaderSpec that data.* sets (FFCV's order and page cache)."""
+    """The keywords of loader `name` beyond its LoaderSpec that data.* sets (FFCV's order and page cache, where DALI
+    keeps a URL's shards)."""
+    if name == "dali-webdataset":
+        return {"shard_cache": data.shard_cache or None}
     if name != "ffcv":
         return {}
     return {"order": data.ffcv_order, "os_cache": data.ffcv_os_cache} if train else {"os_cache": data.ffcv_os_cache}
@@ -228,7 +240,8 @@ def train_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device
     if data.loader == "ffcv":  # the .beton holds the index's own labels; the loader swaps them by sample id
         return make_loader("ffcv", ensure_beton(data, index, progress), spec, labels=labels,
                            **loader_knobs(data, "ffcv", train=True))
-    return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec)
+    return make_loader(data.loader, index if labels is None else relabelled(index, labels), spec,
+                       **loader_knobs(data, data.loader, train=True))
 
 
 def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device, corruption: Corruption | None = None,
@@ -242,7 +255,7 @@ def eval_loader(data: DataConfig, index: ImageFolderIndex, device: torch.device,
         return make_loader("torchvision", index, spec, corruption=corruption)
     if data.loader == "ffcv":
         return make_loader("ffcv", ensure_beton(data, index, progress), spec, **loader_knobs(data, "ffcv", train=False))
-    return make_loader(data.loader, index, spec)
+    return make_loader(data.loader, index, spec, **loader_knobs(data, data.loader, train=False))
 
 def reference_indices(population: int, count: int, seed: int) -> list[int]:
     """`count` positions out of range(`population`) drawn without replacement (all of them, permuted, when
@@ -308,11 +321,12 @@ def loader_for(dataset: Dataset, data: DataConfig, device: torch.device) -> Torc
     return TorchvisionLoader(dataset, loader_spec(data, device, train=False))
 
 
-def shift_sets(config: Config, val_index: ImageFolderIndex, classes: tuple[str, ...]) -> list[EvalSet]:
-    """Every shift set the config asks for (paths checked, trees scanned), each subset to eval.max_images."""
+def shift_sets(config: Config, val_index: ImageFolderIndex | ShardFiles, classes: tuple[str, ...]) -> list[EvalSet]:
+    """Every shift set the config asks for (paths checked, trees scanned), each subset to eval.max_images;
+    `val_index`: the validation split (`evaluation_images`), which the corruptions are made from."""
     e, d = config.eval, config.data
     transform = eval_transform(d.image_size, d.crop_ratio)
-    on_the_fly = f"on the fly from {val_index.root}"
+    on_the_fly = f"on the fly from {getattr(val_index, 'source', val_index.root)}"
     # CIFAR-C / -C-bar arrays, when given, stand in for the on-the-fly corruptions of the same name and strength
     cifar_files = cifar_c_sets(Path(e.cifar_c_root), e.severities, classes, transform) if e.cifar_c_root else []
     cifar_bar_files = cifar_c_sets(Path(e.cifar_c_bar_root), e.severities, classes, transform, "eval.cifar_c_bar_root",
@@ -343,14 +357,12 @@ def ood_sets(config: Config) -> list[EvalSet]:
     transform = eval_transform(d.image_size, d.crop_ratio)
     sets = []
     if d.ood_split:
-        root = Path(d.root) / d.ood_split
-        if not root.is_dir():
-            raise DataError(f"OOD split '{root}' does not exist: set data.ood_split='' to skip anomaly rejection")
-        sets.append(folder_set(d.ood_split, root, "data.ood_split", "ood", "ood", transform,
-                               allow_empty_classes=d.allow_empty_classes))
-    if d.far_ood_split and (Path(d.root) / d.far_ood_split).is_dir():  # read where it exists (docs/embedded.md)
-        sets.append(folder_set(d.far_ood_split, Path(d.root) / d.far_ood_split, "data.far_ood_split", "ood", "ood", transform,
-                               allow_empty_classes=d.allow_empty_classes))
+        if not split_exists(d, d.ood_split):
+            raise DataError(f"OOD split '{join(d.root, d.ood_split)}' does not exist: set data.ood_split='' to skip "
+                            f"anomaly rejection")
+        sets.append(ood_split_set(d, d.ood_split, "data.ood_split", transform))
+    if d.far_ood_split and split_exists(d, d.far_ood_split):  # read where it exists (docs/embedded.md)
+        sets.append(ood_split_set(d, d.far_ood_split, "data.far_ood_split", transform))
     for entry in e.ood_sets:
         name, path = parse_named_path(entry, "eval.ood_sets")
         sets.append(folder_set(name, path, "eval.ood_sets", "ood", "ood", transform, allow_empty_classes=d.allow_empty_classes))
@@ -359,6 +371,23 @@ def ood_sets(config: Config) -> list[EvalSet]:
         raise ConfigError(f"eval.ood_sets: a set is named like data.ood_split ({d.ood_split!r}) or data.far_ood_split "
                           f"({d.far_ood_split!r}); choose another name")
     return [limit(s, e.max_images, e.seed) for s in sets]
+
+
+def split_exists(data: DataConfig, split: str) -> bool:
+    """Whether data.root holds `split`: its tree, or with a loader of shards its shard folder (a URL asked for its
+    manifest)."""
+    if reads_shards(data.loader):
+        return has_manifest(join(data.root, split))
+    return (Path(data.root) / split).is_dir()
+
+
+def ood_split_set(data: DataConfig, split: str, key: str, transform) -> EvalSet:
+    """An OOD split of data.root as an evaluation set: its tree, or its shard folder's images (`evaluation_images`)."""
+    if not reads_shards(data.loader):
+        return folder_set(split, Path(data.root) / split, key, "ood", "ood", transform,
+                          allow_empty_classes=data.allow_empty_classes)
+    images = evaluation_images(data, read_shard_set(join(data.root, split)))
+    return EvalSet(split, "ood", "ood", images.source, DecodedImages(images, transform))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class DataConfig:
     far_ood_split: str = option("ood_textures", "far-OOD split folder under data.root, also evaluated where it exists ('' to skip)")
     allow_empty_classes: bool = option(False, "keep a class folder without images as a class (false: refuse it, as torchvision does)")
     loader: str = option("torchvision", "data loader by name (pipeline/loaders/registry.py says what each reads and does)", choices=TRAINING_LOADERS)
+    shard_cache: str = option("", "dali-webdataset from a URL: where its shards are copied, once ('': ~/.cache/fastanchor/shards)")
     ffcv_max_resolution: int = option(0, "FFCV: longest side stored in the .beton (0 keeps the source resolution)")
     ffcv_jpeg_quality: int = option(90, "FFCV: JPEG quality of images re-encoded into the .beton")
     ffcv_compress_probability: float = option(1.0, "FFCV: fraction of images stored as JPEG (the rest raw)")

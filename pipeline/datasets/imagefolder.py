@@ -26,9 +26,15 @@ class ImageFolderIndex:
     classes: tuple[str, ...]
     samples: tuple[tuple[str, int], ...]  # (path, class index), sorted
     mislabelled: tuple[str, ...] = ()  # images whose content is another format than their name says (read by content)
+    cmyk: tuple[str, ...] = ()  # JPEGs of 4 colour components (CMYK or YCCK), converted to RGB as PIL converts them
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def sample(self, i: int):
+        """(the image of sample i, decoded with PIL and converted to RGB, its label)."""
+        path, label = self.samples[i]
+        return load_rgb(path), label
 
 
 class IndexedFiles:
@@ -69,37 +75,45 @@ def scan_image_folder(root: str | Path, classes: tuple[str, ...] | None = None,
     unknown = [c for c in found if c not in classes]
     if unknown:
         raise DataError(f"'{root}' has class folders not in the training classes: {', '.join(unknown[:5])}")
-    samples, mislabelled = [], []
+    samples, mislabelled, cmyk = [], [], []
     for index, name in enumerate(classes):
         folder = root / name
         if not folder.is_dir():
             continue
         for path in class_files(folder):
-            if check_image_file(path) != path.suffix.lower():
+            found, components = checked_header(path)
+            if found != path.suffix.lower():
                 mislabelled.append(str(path))
+            if components == 4:
+                cmyk.append(str(path))
             samples.append((str(path), index))
     if not samples:
         raise DataError(f"data directory '{root}' has class folders but no images")
     if defines_classes and not allow_empty_classes:
         check_no_empty_classes(root, classes, {label for _, label in samples})
-    if mislabelled:
-        report_mislabelled(root, mislabelled)
-    return ImageFolderIndex(root, classes, tuple(samples), tuple(mislabelled))
+    report_quirks(root, mislabelled, cmyk)
+    return ImageFolderIndex(root, classes, tuple(samples), tuple(mislabelled), tuple(cmyk))
 
 
-_REPORTED: set[Path] = set()
+_REPORTED: set[str] = set()
 
 
-def report_mislabelled(root: Path, paths: list[str]) -> None:
-    """One line per tree and process (the main one under torchrun): the files read by their content, not their name
-    (ImageNet-1k's train/n02105855/n02105855_2933.JPEG is PNG data; PIL, torchvision's ImageFolder and DALI decode
-    such a file by its content, and so does every fastanchor loader)."""
-    if root in _REPORTED or os.environ.get("RANK", "0") != "0":
+def report_quirks(root, mislabelled: list[str], cmyk: list[str]) -> None:
+    """One line per kind, tree and process (the main one under torchrun), for the images read otherwise than their
+    name or mode says: files read by their content, not their name (ImageNet-1k's train/n02105855/n02105855_2933.JPEG
+    is PNG data; PIL, torchvision's ImageFolder and DALI decode such a file by its content, and so does every
+    fastanchor loader), and CMYK JPEGs (ImageNet-1k's train split holds 22), converted to RGB as PIL converts them
+    (PIL in the torchvision and webdataset loaders; DALI's decoder gives PIL's pixels, tests/test_dali_loader.py)."""
+    if str(root) in _REPORTED or os.environ.get("RANK", "0") != "0":
         return
-    _REPORTED.add(root)
-    first = Path(paths[0])
-    print(f"{root}: {len(paths)} image file(s) hold another format than their name says (e.g. '{first}' is "
-          f"{content_format(first)[1:].upper()} data): decoded by their content", file=sys.stderr, flush=True)
+    _REPORTED.add(str(root))
+    if mislabelled:
+        first = Path(mislabelled[0])
+        print(f"{root}: {len(mislabelled)} image file(s) hold another format than their name says (e.g. '{first}' is "
+              f"{content_format(first)[1:].upper()} data): decoded by their content", file=sys.stderr, flush=True)
+    if cmyk:
+        print(f"{root}: {len(cmyk)} CMYK JPEG(s) (e.g. '{cmyk[0]}'): converted to RGB as PIL converts them",
+              file=sys.stderr, flush=True)
 
 
 def check_no_empty_classes(root: Path, classes: tuple[str, ...], labels: set[int]) -> None:
@@ -120,22 +134,62 @@ def class_files(folder: Path) -> list[Path]:
 def content_format(path: Path) -> str | None:
     """The image format a file's first bytes say it is, as the extension that names it ('.png'), or None."""
     with open(path, "rb") as handle:
-        head = handle.read(12)
+        return _format_of(handle.read(12))
+
+
+def _format_of(head: bytes) -> str | None:
     return next((suffix for suffix, magics in _MAGIC.items() if any(head.startswith(m) for m in magics)), None)
 
 
 def check_image_file(path: Path) -> str:
     """Cheap check (extension and magic bytes) that `path` is an image file; returns the format its content has (its
     own extension's, or another image format's: a mislabelled file is read by content, as PIL reads it)."""
+    return checked_header(path)[0]
+
+
+def checked_header(path: Path) -> tuple[str, int | None]:
+    """`check_image_file`'s check and format, and for JPEG data the colour components its frame header declares
+    (1 grey, 3 YCbCr or RGB, 4 CMYK or YCCK; None when not found before the image data), in one open."""
     suffix = path.suffix.lower()
     if suffix not in IMAGE_EXTENSIONS:
         raise DataError(f"non-image file '{path}' among the images: expected only {', '.join(IMAGE_EXTENSIONS)} files")
-    found = content_format(path)
+    with open(path, "rb") as handle:
+        found = _format_of(handle.read(12))
+        components = None
+        if found in (".jpg", ".jpeg"):
+            handle.seek(2)  # past the SOI marker
+            components = jpeg_components(handle)
     if found is None:
         what = "empty" if path.stat().st_size == 0 else "not a valid image"
         raise DataError(f"image file '{path}' is {what}: expected {suffix[1:].upper()} data")
     same = {".jpg": ".jpeg", ".jpeg": ".jpg", ".tif": ".tiff", ".tiff": ".tif"}
-    return suffix if found in (suffix, same.get(suffix)) else found
+    return (suffix if found in (suffix, same.get(suffix)) else found), components
+
+
+_FRAME_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # SOF0 to SOF15
+_STANDALONE_MARKERS = {0x01, *range(0xD0, 0xD8)}  # TEM, RST0 to RST7: no length follows
+
+
+def jpeg_components(handle) -> int | None:
+    """The number of colour components in the frame header (SOFn) of the JPEG data `handle` reads, from just past its
+    SOI marker: the marker segments before it (APPn, DQT, ...) are skipped by their lengths, not read. None when the
+    data ends, or the image data begins, first."""
+    for _ in range(256):  # marker segments before the frame header; a real JPEG has a handful
+        marker = handle.read(2)
+        while marker == b"\xff\xff":  # fill bytes
+            marker = b"\xff" + handle.read(1)
+        if len(marker) < 2 or marker[0] != 0xFF:
+            return None
+        if marker[1] in _STANDALONE_MARKERS:
+            continue
+        length = handle.read(2)
+        if marker[1] in (0xD9, 0xDA) or len(length) < 2:  # EOI, SOS: no frame header before the image data
+            return None
+        if marker[1] in _FRAME_MARKERS:
+            frame = handle.read(6)  # precision, height, width, components
+            return frame[5] if len(frame) == 6 else None
+        handle.seek(int.from_bytes(length, "big") - 2, 1)
+    return None
 
 
 def load_rgb(path: str) -> Image.Image:

@@ -35,15 +35,15 @@ def index_path(shards: ShardSet, position: int) -> Path:
     return Path(shards.root) / INDEX_FOLDER / f"{Path(shard.name).stem}-{shard.sha256[:16]}.idx"
 
 
-def ensure_indexes(shards: ShardSet) -> list[Path]:
-    """The index file of every shard of the local folder `shards`, built where missing (see the module's docstring)."""
+def ensure_indexes(shards: ShardSet, positions=None) -> list[Path]:
+    """The index file of every shard of the local folder `shards`, those at `positions` (default: all) built where
+    missing (see the module's docstring); a URL's shards are indexed in their local copy (shard_cache.py)."""
     if is_url(shards.root):
-        raise DataError(f"DALI's readers.webdataset reads local shard folders, not '{shards.root}': use "
-                        f"data.loader=webdataset for a URL")
+        raise ValueError(f"'{shards.root}' is a URL: DALI indexes its local copy (shard_cache.local_copy)")
     paths = [index_path(shards, position) for position in range(len(shards.shards))]
-    for position, path in enumerate(paths):
-        if not path.is_file():
-            write_index(shards, position, path)
+    for position in range(len(paths)) if positions is None else positions:
+        if not paths[position].is_file():
+            write_index(shards, position, paths[position])
     return paths
 
 

@@ -3,8 +3,9 @@
 A shard folder is the dataset: `shard-000000.tar`, `shard-000001.tar`, ... in the WebDataset layout (each sample
 `<key>.jpg` or `<key>.png`, its image file's bytes as they are, and `<key>.cls`, its class index as text), and
 `manifest.json`, written last: the class list and, per shard, its name, byte size, sha256, and the label and source
-(position in the split's ImageFolder index) of every sample. Sample keys are their position in the shard folder
-(`000000042`), so shard i holds the samples [offset_i, offset_i + count_i).
+(position in the split's ImageFolder index) of every sample, and the keys of the CMYK JPEGs among them (converted to
+RGB as PIL converts them; named in one line when the manifest is read, as the scan of a tree names them). Sample keys
+are their position in the shard folder (`000000042`), so shard i holds the samples [offset_i, offset_i + count_i).
 
 `write_shards` writes the training split in an order permuted once (seeded): a shard then holds every class, and
 a reader that shuffles shards and the samples within a shard mixes classes in every batch. Each shard is written
@@ -30,11 +31,12 @@ import numpy as np
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_path, atomic_write_bytes
-from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, check_image_file
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, checked_header, report_quirks
 
 FORMAT = "fastanchor-wds-manifest"
-VERSION = 1
+VERSION = 2  # 2: the CMYK JPEGs counted (their keys)
 MANIFEST = "manifest.json"
+UNREACHED = " or its server cannot be reached"  # fsspec's HTTP raises FileNotFoundError for both
 IMAGE_KEYS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".bmp": "bmp", ".webp": "webp", ".ppm": "ppm",
               ".tif": "tif", ".tiff": "tif"}  # an image's format (by content) -> its member's extension
 
@@ -56,6 +58,7 @@ class ShardSet:
     shards: tuple[Shard, ...]
     labels: np.ndarray  # int64 [N]: the class index of every sample, by key
     sources: np.ndarray  # int64 [N]: every sample's position in the ImageFolder index it was written from
+    cmyk: tuple[int, ...] = ()  # the keys of the CMYK (or YCCK) JPEGs, converted to RGB as PIL converts them
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -89,6 +92,17 @@ def open_stream(url: str):
 
 # ----------------------------------------------------------------------------------------------
 # Reading
+
+
+def has_manifest(root: str | Path) -> bool:
+    """Whether the shard folder `root` (a path or URL) has a manifest (a URL is asked for it; nothing is read)."""
+    if not is_url(root):
+        return (Path(root) / MANIFEST).is_file()
+    try:
+        with open_stream(join(root, MANIFEST)):
+            return True
+    except FileNotFoundError:
+        return False
 
 
 def read_shard_set(root: str | Path) -> ShardSet:
@@ -130,15 +144,20 @@ def _read_shard_set(root: str, stamp) -> ShardSet:
             sources += entry["sources"]
             offset += count
         classes = tuple(str(c) for c in manifest["classes"])
-        if offset != manifest["count"] or len(sources) != offset or not shards:
+        cmyk = tuple(int(key) for key in manifest["cmyk"])
+        if offset != manifest["count"] or len(sources) != offset or not shards or not all(0 <= k < offset for k in cmyk):
             raise ValueError("its counts disagree")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise DataError(f"'{where}' is not a shard manifest written by fastanchor ({error}): write the shards again "
                         f"with `fastanchor prepare --format wds`") from None
-    return ShardSet(root, classes, tuple(shards), np.asarray(labels, dtype=np.int64), np.asarray(sources, dtype=np.int64))
+    found = ShardSet(root, classes, tuple(shards), np.asarray(labels, dtype=np.int64), np.asarray(sources, dtype=np.int64),
+                     cmyk)
+    where = found.shard_of()
+    report_quirks(root, [], [f"{key:09d} of '{found.url(found.shards[where[key]])}'" for key in cmyk])
+    return found
 
 
-class _Hashing(io.RawIOBase):
+class HashingReader(io.RawIOBase):
     """A file object passing `stream`'s bytes through, counting them into a sha256."""
 
     def __init__(self, stream):
@@ -165,14 +184,15 @@ def read_shard(shards: ShardSet, position: int) -> list[tuple[str, bytes, int]]:
     members: dict[str, dict[str, bytes]] = {}
     try:
         with open_stream(url) as raw:
-            hashing = _Hashing(raw)
+            hashing = HashingReader(raw)
             for member in tar_file_iterator(io.BufferedReader(hashing, 1 << 20)):
                 key, extension = base_plus_ext(member["fname"])
                 members.setdefault(key, {})[extension] = member["data"]
             while hashing.read(1 << 20):  # the tar's end-of-archive padding, for the checksum
                 pass
     except FileNotFoundError:
-        raise DataError(f"shard '{url}' does not exist: its manifest names it (write the shards again)") from None
+        raise DataError(f"shard '{url}' does not exist{UNREACHED if is_url(url) else ''}: its manifest names it "
+                        f"(write the shards again)") from None
     except Exception as error:  # noqa: BLE001 - tarfile, fsspec and HTTP raise assorted errors for a bad stream
         raise DataError(f"shard '{url}' cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
                         f"write the shards again") from None
@@ -245,7 +265,7 @@ def write_shards(index: ImageFolderIndex, folder: str | Path, *, shard_size: int
     (folder / MANIFEST).unlink(missing_ok=True)  # a half-rewritten folder is no dataset
     started = time.perf_counter()
     order = sample_order(len(index), shuffle_seed)
-    entries = []
+    entries, cmyk = [], []
     with progress_bar(total=len(index), desc=f"writing {folder}", unit="img", enabled=progress) as bar:
         for number, first in enumerate(range(0, len(index), shard_size)):
             positions = order[first:first + shard_size]
@@ -254,14 +274,17 @@ def write_shards(index: ImageFolderIndex, folder: str | Path, *, shard_size: int
                 with TarWriter(handle, encoder=False, mtime=0.0) as tar:
                     for key, position in enumerate(positions.tolist(), start=first):
                         path, label = index.samples[position]
-                        extension = IMAGE_KEYS[check_image_file(Path(path))]
+                        found, components = checked_header(Path(path))
+                        extension = IMAGE_KEYS[found]
+                        if components == 4:
+                            cmyk.append(key)
                         tar.write({"__key__": f"{key:09d}", extension: Path(path).read_bytes(),
                                    "cls": str(label).encode()})
                         bar.update(1)
             entries.append({"name": name, "bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name),
                             "labels": [index.samples[p][1] for p in positions.tolist()], "sources": positions.tolist()})
     manifest = {**written_from(index, shard_size, shuffle_seed), "format": FORMAT, "version": VERSION,
-                "count": len(index), "shards": entries}
+                "count": len(index), "cmyk": cmyk, "shards": entries}
     atomic_write_bytes(folder / MANIFEST, lambda handle: handle.write(json.dumps(manifest).encode()))
     return {"folder": str(folder), "count": len(index), "shards": len(entries),
             "bytes": sum(e["bytes"] for e in entries), "seconds": round(time.perf_counter() - started, 3)}
@@ -282,7 +305,7 @@ def shards_current(folder: str | Path, index: ImageFolderIndex, *, shard_size: i
     shard of the size its manifest says (its checksums are checked when read)."""
     try:
         manifest = json.loads((Path(folder) / MANIFEST).read_text())
-        wanted = written_from(index, shard_size, shuffle_seed)
+        wanted = {**written_from(index, shard_size, shuffle_seed), "format": FORMAT, "version": VERSION}
         return (all(manifest.get(key) == value for key, value in wanted.items())
                 and all((Path(folder) / e["name"]).stat().st_size == e["bytes"] for e in manifest["shards"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -1,6 +1,6 @@
-"""NVIDIA DALI loading: `readers.file` over an ImageFolder index, or `readers.webdataset` over a local shard folder
-(pipeline/datasets/shards.py), decoded by DALI on the CPU or, on CUDA, by nvJPEG (`device="mixed"`), with
-TorchvisionLoader's batch contract.
+"""NVIDIA DALI loading: `readers.file` over an ImageFolder index, or `readers.webdataset` over a shard folder
+(pipeline/datasets/shards.py; at a URL, its local copy: pipeline/datasets/shard_cache.py), decoded by DALI on the
+CPU or, on CUDA, by nvJPEG (`device="mixed"`), with TorchvisionLoader's batch contract.
 
 `DALILoader` iterates (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on the training
 device. The file list and the labels are the ImageFolder index's (pipeline/datasets/imagefolder.py), passed
@@ -23,7 +23,9 @@ What differs from the other loaders (see also DALILoader's docstring):
 * Over a shard folder, an epoch is the webdataset loader's stream of sample keys (pipeline/loaders/order.py:
   shards and the samples within each permuted, process `rank` reading shards rank, rank + world_size, ...), handed to
   DALI as index files of that order (pipeline/datasets/shard_index.py); a sample's label is the manifest's, by the
-  key DALI reports having read.
+  key DALI reports having read. DALI's reader reads local files only: from a URL, each shard an epoch needs is
+  downloaded once into a local cache (`shard_cache`), checked against the manifest and indexed there, before the
+  epoch's pipeline is built.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch
 
 from fastanchor.errors import ConfigError, DataError
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb, scan_image_folder
-from fastanchor.pipeline.datasets.shard_index import IMAGE_EXTENSIONS, ensure_indexes, epoch_listing
+from fastanchor.pipeline.datasets.shard_cache import default_cache, fetch, local_copy
+from fastanchor.pipeline.datasets.shard_index import IMAGE_EXTENSIONS, ensure_indexes, epoch_listing, index_path
 from fastanchor.pipeline.datasets.shards import ShardSet, is_url, shard_images
 from fastanchor.pipeline.loaders.order import epoch_stream
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
@@ -66,7 +69,8 @@ def augmentation_seed(seed: int, epoch: int, shard_id: int) -> int:
 
 class DALILoader:
     """DALI's `readers.file` + `decoders.image` over an ImageFolder index (or its root), or `readers.webdataset` over
-    a local shard folder (a ShardSet), built from a LoaderSpec (`spec`: the settings every loader shares, named below
+    a shard folder (a ShardSet: local, or at a URL and copied shard by shard into `shard_cache`, default
+    `~/.cache/fastanchor/shards`), built from a LoaderSpec (`spec`: the settings every loader shares, named below
     by their field names) and DALI's `prefetch` depth.
 
     Iterating yields (uint8 [B, 3, s, s] channels-last images, int64 [B] labels) on `device`.
@@ -109,20 +113,22 @@ class DALILoader:
     to find it); the pipeline is rebuilt at the next iteration.
     """
 
-    def __init__(self, index: ImageFolderIndex | ShardSet | str | Path, spec: LoaderSpec, *, prefetch: int = 2):
+    def __init__(self, index: ImageFolderIndex | ShardSet | str | Path, spec: LoaderSpec, *, prefetch: int = 2,
+                 shard_cache: str | Path | None = None):
         self.spec = spec = checked_spec(spec)
         spec.require_policy(POLICIES, f"DALI's auto_aug offers {', '.join(POLICIES)}")
         if not _positive_int(prefetch):
             raise ConfigError(f"prefetch = {prefetch!r}: expected a positive integer")
-        self.shards, self.index_files = None, []
+        self.shards, self.index_files, self.remote = None, [], None
         if isinstance(index, ShardSet):
-            if is_url(index.root):
-                raise ConfigError(f"DALI reads local shard folders, not '{index.root}': use data.loader=webdataset for "
-                                  f"a URL")
             if spec.train and len(index.shards) < spec.world_size:
                 raise ConfigError(f"shard folder '{index.root}' has {len(index.shards)} shard(s) for {spec.world_size} "
                                   f"training processes: write smaller shards (fastanchor prepare --shard-size)")
-            self.shards, self.index_files = index, ensure_indexes(index)
+            if is_url(index.root):  # DALI reads local files: each shard an epoch needs is fetched once, before it
+                self.remote, self.shards = index, local_copy(index, shard_cache or default_cache())
+                self.index_files = [index_path(self.shards, p) for p in range(len(index.shards))]
+            else:
+                self.shards, self.index_files = index, ensure_indexes(index)
             self.files, self.labels = [], index.labels
         else:
             if not isinstance(index, ImageFolderIndex):
@@ -226,6 +232,8 @@ class DALILoader:
             listed = self.epoch_files(epoch)
             yield {"files": [self.files[i] for i in listed], "labels": self.labels[listed].tolist()}
             return
+        if self.remote is not None:
+            fetch(self.remote, self.shards, self.shards.shard_of()[order])
         with tempfile.TemporaryDirectory(prefix="fastanchor-dali-") as folder:
             paths, index_paths = epoch_listing(self.shards, self.index_files, order, Path(folder))
             yield {"paths": paths, "index_paths": index_paths}

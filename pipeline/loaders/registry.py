@@ -65,7 +65,7 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
                 "torch DataLoader over WebDataset tar shards (a folder or fsspec URL), PIL decode in worker processes",
                 "webdataset", reads="wds"),
     LoaderEntry("dali-webdataset", HERE + "dali:DALILoader",
-                "DALI readers.webdataset + decoders.image over local tar shards (mixed on CUDA, CPU otherwise)", "DALI",
+                "DALI readers.webdataset + decoders.image over tar shards (a URL's copied once to a local cache; mixed on CUDA)", "DALI",
                 reads="wds", decodes="device", backend_may_lack_device=True),
     LoaderEntry("memory", HERE + "memory:MemoryLoader",
                 "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there", "torch",

@@ -17,7 +17,7 @@ from torchvision.transforms import v2
 
 from fastanchor.errors import ConfigError
 from fastanchor.pipeline.shifts.corruptions import corrupt_image
-from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
+from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex
 from fastanchor.pipeline.loaders.order import EpochSampler
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 from fastanchor.pipeline.loaders.transforms import (  # noqa: F401 - train_transform: imported from here by others
@@ -33,7 +33,8 @@ class Corruption:
 
 
 class DecodedImages(Dataset):
-    """(uint8 [3, H, W] tensor, label) per sample; optionally a seeded ImageNet-C corruption."""
+    """(uint8 [3, H, W] tensor, label) per sample; optionally a seeded ImageNet-C corruption. `index`: an
+    ImageFolderIndex, or anything else whose `sample(i)` gives (PIL RGB image, label), as ShardFiles does for shards."""
 
     def __init__(self, index: ImageFolderIndex, transform: v2.Transform, corruption: Corruption | None = None):
         self.index = index
@@ -44,8 +45,8 @@ class DecodedImages(Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int):
-        path, label = self.index.samples[i]
-        image = self.transform(load_rgb(path))
+        image, label = self.index.sample(i)
+        image = self.transform(image)
         if self.corruption is not None:
             c = self.corruption
             hwc = image.permute(1, 2, 0).numpy()
