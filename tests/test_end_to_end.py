@@ -12,6 +12,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
     for kind, enabled in (("standard", "false"), ("anchored", "true")):
         run_cli("train", *tiny_overrides(tiny_dataset, tmp_path, **{
@@ -44,6 +45,7 @@ def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
     assert json.loads((tmp_path / "anchored" / "eval.json").read_text()) == result
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
     result = run_cli("demo", "--out-dir", tmp_path / "runs", *tiny_overrides(tiny_dataset, tmp_path / "ignored"),
                      "--set", "finetune_ood.steps=2", "--set", "data.far_ood_split=ood_textures")

@@ -26,6 +26,7 @@ def trained(request, tiny_dataset, tmp_path_factory):
     return request.param, out / "run"
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_every_command_runs_on_the_norm_layer_model(trained, tmp_path):
     name, run = trained
     checkpoint = run / "final.pt"

@@ -69,6 +69,7 @@ def test_wheel_holds_exactly_the_modules_recipes_and_data_files(wheel):
     assert sorted(package - expected) == [], "in the wheel but not a module, recipe or data file of the checkout"
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     path, _ = wheel
     target = tmp_path / "site"

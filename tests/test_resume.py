@@ -42,6 +42,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_run_killed_mid_epoch_resumes_to_bitwise_identical_weights(tiny_dataset, tmp_path):
     kill_and_resume(tiny_dataset, tmp_path, RESUMABLE)
 
