@@ -678,3 +678,18 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
         ("anchored", "whole", 80.0, None), ("standard", None, 65.0, None), ("anchored", 5, 70.0, "fastanchor reproduce fig1 (old)")]
     means = {(g["arm"], json.dumps(g["value"])): g["metrics"]["c_mean"]["mean"] for g in merged["summary"]}
     assert means == {("anchored", '"whole"'): 80.0, ("standard", "null"): 65.0, ("anchored", "5"): 70.0}
+
+
+def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
+    """scripts/decisive_small.sh (issue 36's record, the decisive runs first): every stage's reproduce arguments plan
+    at least one run at small scale (a renamed setup or value would plan none, silently)."""
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "decisive_small.sh").read_text()
+    calls = [shlex.split(call) for line in script.splitlines() if line.startswith("want ")
+             for call in line.split("&& run ")[1:]]
+    assert len(calls) >= 9
+    for name, experiment, *args in calls:
+        options = dict(zip(args[::2], args[1::2]))
+        runs, _ = plan(EXPERIMENTS[experiment], "small", "", str(tmp_path),
+                       only_setups=tuple(filter(None, options.get("--setups", "").split(","))),
+                       only_values=tuple(filter(None, options.get("--values", "").split(","))))
+        assert runs, name

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 36's small-scale record, the decisive runs first, one stage after another into runs/reproduce and recorded
+# into results/reproduce (each `reproduce --record` with --setups/--values keeps the record's other cells).
+# Resumable: a killed stage goes on where it stopped (finished steps are skipped, a training run resumes from its
+# last checkpoint), so the script can be killed and started again at any point.
+#
+#   scripts/decisive_small.sh                 # every stage, in order
+#   scripts/decisive_small.sh fig1-hard       # one stage (names below)
+#
+# Wall time on the idle 2-core development machine (runs/*.log of issue 36's sweeps): a `hard` run is 6-9 minutes
+# (60 epochs, masking 80, at about 1,650 img/s, then its evaluation), a `demo` run 3-5 (30 epochs, masking 40).
+#   tab1-hard        9 runs                     about 65 min
+#   tab3-hard        tab1's models, evaluation  about 5 min
+#   fig1-hard        |R| 50 and whole: 12 runs (standard is tab1's)   about 90 min
+#   shortcut-hard    fig1's models, evaluation  about 10 min
+#   fig1-demo        |R| 50: 6 runs (whole is in the record)         about 25 min
+#   shortcut-demo    fig1's models at 50, evaluation                  about 5 min
+#   tab4-hard        alpha 0, 0.25, 0.5, 1 and 1 with the label target: 15 runs   about 110 min
+#   er               the testbed, then the fine-tunes with the dense early checkpoints   about 60 min
+#   fig5-hard        fig5a and fig5b at three values each: 54 runs   about 6.5 hours
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}
+RECORD=${RECORD:-results/reproduce}
+mkdir -p runs
+run() {  # stage name, then the reproduce arguments
+    local name=$1; shift
+    echo "== $name: fastanchor reproduce $* --scale small --record $RECORD (log: runs/decisive-$name.log)"
+    "$FASTANCHOR" reproduce "$@" --scale small --no-progress --record "$RECORD" > "runs/decisive-$name.log" 2>&1
+}
+
+stage=${1:-all}
+stages=" all tab1-hard tab3-hard fig1-hard shortcut-hard fig1-demo shortcut-demo tab4-hard er fig5-hard "
+[[ $stages == *" $stage "* ]] || { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages)" >&2; exit 2; }
+want() { [[ $stage == all || $stage == "$1" ]]; }
+want tab1-hard && run tab1-hard tab1 --setups hard
+want tab3-hard && run tab3-hard tab3 --setups hard
+want fig1-hard && run fig1-hard fig1 --setups hard --values 50,whole
+want shortcut-hard && run shortcut-hard shortcut --setups hard --values 50,whole
+want fig1-demo && run fig1-demo fig1 --setups demo --values 50
+want shortcut-demo && run shortcut-demo shortcut --setups demo --values 50
+want tab4-hard && run tab4-hard tab4 --setups hard
+want er && run er-testbed er-testbed && run er-finetune er-finetune
+want fig5-hard && run fig5a-hard fig5a --setups hard && run fig5b-hard fig5b --setups hard
+"$FASTANCHOR" docs
