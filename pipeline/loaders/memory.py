@@ -34,6 +34,7 @@ from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
 from fastanchor.pipeline.loaders.order import epoch_shard
+from fastanchor.pipeline.loaders.transforms import epoch_generator
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
 POLICIES = ("none",)
@@ -291,7 +292,7 @@ class MemoryLoader:
 
     def generator(self) -> torch.Generator:
         """The current epoch's generator (order.epoch_shard's: the order first), then every sample's crop and flip."""
-        return torch.Generator().manual_seed(self.spec.seed * 1_000_003 + self.epoch)
+        return epoch_generator(self.spec.seed, self.epoch)
 
     def augmentation(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sample's crop (padded: [N, 2] top, left; random_resized: [N, 4] boxes) and flip ([N] bool) of the

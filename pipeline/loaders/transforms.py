@@ -57,9 +57,14 @@ def transform_for_size(spec):
                              policy=spec.policy, hflip=spec.hflip)
 
 
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The CPU generator of one epoch of a run seeded `seed`: every loader draws its order (and its augmentation) from it."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+
+
 def epoch_draws(num_samples: int, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The epoch's permutation of range(`num_samples`) and an augmentation seed per sample, drawn from (seed, epoch)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    generator = epoch_generator(seed, epoch)
     order = torch.randperm(num_samples, generator=generator)
     return order, torch.randint(0, 2**62, (num_samples,), generator=generator)
 
