@@ -42,8 +42,11 @@ def readme(result: dict) -> str:
     table = markdown(result, EXPERIMENTS[result["experiment"]].view).split("\n")
     paper = result.get("paper_file", "000.yaml").removesuffix(".yaml")
     judged = verdicts(result, paper) if result.get("claims") or rules(result["experiment"], paper)[1] else []
+    kept = [f"{setup}: its rows were kept from an earlier record and are judged by the rule it was recorded with. "
+            + rule_text(paper, r.get("verdict_rule"), r.get("convergence_rule"))
+            for setup, r in (result.get("setup_rules") or {}).items()]
     verdict_lines = ["", "## Verdicts", "", rule_text(paper, result.get("verdict_rule"), result.get("convergence_rule")),
-                     "", *map(line, judged), ""] if judged else []
+                     *(text for k in kept for text in ("", k)), "", *map(line, judged), ""] if judged else []
     return "\n".join(table[:2] + [text for text in made if text] + verdict_lines + table[2:])
 
 

@@ -112,19 +112,26 @@ def keep_other_cells(result: dict, recorded: Path, runs: list[Run]) -> dict:
         return result
     from fastanchor.files import read_json
     from fastanchor.reproduce.aggregate import summarise as summarise_rows
-    from fastanchor.reproduce.verdicts import verdicts
+    from fastanchor.reproduce.verdicts import FIRST_RULE, verdicts
 
     old = read_json(recorded, "record")
     covered = {(run.setup, json.dumps(run.value)) for run in runs}
     kept = [{**row, "from_record": row.get("from_record") or old.get("command", "")} for row in old.get("runs", [])
-            if (row["setup"], json.dumps(row["value"])) not in covered and row["value"] is not None]
+            if (row["setup"], json.dumps(row["value"])) not in covered]
     if not kept:
         return result
     rows = result["runs"] + kept
+    # a setup none of the runs touch keeps the rule its record was judged by (a revision never re-judges it)
+    rerun = {run.setup for run in runs}
+    earlier = {"verdict_rule": old.get("verdict_rule") or FIRST_RULE,
+               "claims": old.get("claims"), "convergence_rule": old.get("convergence_rule")}
+    setup_rules = {setup: (old.get("setup_rules") or {}).get(setup, earlier)
+                   for setup in sorted({row["setup"] for row in kept} - rerun)}
     merged = {**result, "runs": rows,
               "summary": summarise_rows(rows, result["paper"]["entries"], result["setups"],
                                         EXPERIMENTS[result["experiment"]].strict_paper_setup),
-              "kept": f"{len(kept)} rows of cells not rerun kept from the record (each names its command)"}
+              "kept": f"{len(kept)} rows of cells not rerun kept from the record (each names its command)",
+              **({"setup_rules": setup_rules} if setup_rules else {})}
     return {**merged, "verdicts": verdicts(merged, EXPERIMENTS[result["experiment"]].paper)}
 
 

@@ -35,6 +35,7 @@ import yaml
 from fastanchor.reproduce.convergence import PLATEAU
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
+FIRST_RULE = {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}  # version 1: records that kept no rule of their own
 SEVERITIES = (1, 2, 3, 4, 5)
 
 
@@ -135,13 +136,26 @@ def judge(differences: list[float], effect: float, unconverged: list[str], rule:
 
 def verdicts(result: dict, paper: str = "000") -> list[dict]:
     """One verdict per claim and setup of `result` (a result.json's dict), by the rule and claims its aggregation
-    recorded (`verdict_rule`, `claims`: a later revision of the file does not re-judge a record), else the file's."""
+    recorded (`verdict_rule`, `claims`: a later revision of the file does not re-judge a record), else the file's; a
+    setup whose rows were all kept from an earlier record (`setup_rules`, sweep.keep_other_cells) by the rule and
+    claims that record was judged by."""
     rule, claims = rules(result["experiment"], paper)
     rule, claims = result.get("verdict_rule") or rule, result.get("claims") or claims
+    kept = result.get("setup_rules") or {}
+    setups = sorted({r["setup"] for r in result.get("runs", [])})
+    out = judged(result, [s for s in setups if s not in kept], rule, claims, paper)
+    for setup in (s for s in setups if s in kept):
+        earlier = kept[setup]
+        out += judged(result, [setup], earlier.get("verdict_rule") or rule, earlier.get("claims") or claims, paper)
+    return out
+
+
+def judged(result: dict, setups: list[str], rule: dict, claims: list[dict], paper: str) -> list[dict]:
+    """The verdicts of `claims` on `setups` by `rule`, claim by claim."""
     out = []
     for claim in claims:
         effect, source = paper_effect(claim, result["experiment"], paper)
-        for setup in sorted({r["setup"] for r in result.get("runs", [])}):
+        for setup in setups:
             if claim.get("setups") and setup not in claim["setups"]:
                 continue
             pairs = _pairs(result, setup, claim)
@@ -150,7 +164,7 @@ def verdicts(result: dict, paper: str = "000") -> list[dict]:
             verdict, reason, numbers = judge(differences, effect, unconverged, rule, below_chance(pairs, claim, rule))
             out.append({"claim": claim["claim"], "setup": setup, "comparison": comparison(claim),
                         "paper_effect": round(effect, 3), "paper_source": source, "verdict": verdict,
-                        "reason": reason, **numbers})
+                        "reason": reason, "rule_version": rule.get("version", 1), **numbers})
     return out
 
 
@@ -218,6 +232,9 @@ def block(results_dir: Path, link=lambda path: path.as_posix()) -> str:
             continue
         kept = (result.get("verdict_rule") or {}).get("version", 1) if result.get("verdict_rule") else current
         earlier = f"; judged by the rule's version {kept}, in the record" if kept != current else ""
+        for setup, r in (result.get("setup_rules") or {}).items():
+            version = (r.get("verdict_rule") or FIRST_RULE).get("version", 1)
+            earlier += f"; {setup} judged by the rule's version {version}, kept with its rows"
         lines.append(f"{result['experiment']} ({result.get('scale', '')} scale, "
                      f"[record]({link(path.parent / 'README.md')}){earlier}):")
         lines += [line(v) for v in verdicts(result)] + [""]

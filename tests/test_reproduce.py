@@ -22,7 +22,7 @@ import yaml
 from conftest import TINY_SPEC, run_cli, run_main
 from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
 from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan, same_training
-from fastanchor.reproduce.record import regenerate
+from fastanchor.reproduce.record import readme, regenerate
 from fastanchor.reproduce.runs import View
 from fastanchor.reproduce.scales import TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
@@ -678,6 +678,37 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
         ("anchored", "whole", 80.0, None), ("standard", None, 65.0, None), ("anchored", 5, 70.0, "fastanchor reproduce fig1 (old)")]
     means = {(g["arm"], json.dumps(g["value"])): g["metrics"]["c_mean"]["mean"] for g in merged["summary"]}
     assert means == {("anchored", '"whole"'): 80.0, ("standard", "null"): 65.0, ("anchored", "5"): 70.0}
+
+
+def test_a_setup_kept_from_the_record_keeps_the_rule_it_was_judged_by(tmp_path):
+    """`tab1 --setups hard --record DIR`: the record's demo rows (no swept value) are kept, and judged by the rule the
+    record was aggregated with (version 1 here: an interval wider than the paper's effect is undecided), while the
+    rerun hard rows are judged by the file's rule (version 2: the same differences, above 0, reproduce)."""
+    from fastanchor.reproduce.runs import Run
+    from fastanchor.reproduce.sweep import keep_other_cells
+    from fastanchor.reproduce.verdicts import rules, verdicts
+
+    def rows(setup, anchored, standard):
+        return [{"run": f"{setup}-{arm}-s{seed}", "setup": setup, "arm": arm, "value": None, "seed": seed,
+                 "metrics": {"c_mean": v}, "training": {"converged": True}}
+                for arm, values in (("anchored", anchored), ("standard", standard)) for seed, v in enumerate(values)]
+
+    differences = ([81.5, 77.0, 79.0], [70.0, 70.0, 70.0])  # +11.5, +7, +9: above 0, wider than the paper's +0.81
+    _, claims = rules("tab1")
+    old = {"command": "fastanchor reproduce tab1 (old)", "runs": rows("demo", *differences),
+           "verdict_rule": {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}, "claims": claims,
+           "convergence_rule": "plateaued: (the first rule's text)"}
+    (tmp_path / "result.json").write_text(json.dumps(old))
+    new = {"experiment": "tab1", "paper": paper_numbers("tab1"), "setups": {"demo": "", "hard": ""},
+           "runs": rows("hard", *differences), "verdict_rule": rules("tab1")[0], "claims": claims}
+    runs = [Run("tab1", r["run"], "hard", r["arm"], None, r["seed"], "demo", (), ()) for r in new["runs"]]
+    merged = keep_other_cells(new, tmp_path / "result.json", runs)
+    assert {r["setup"] for r in merged["runs"]} == {"demo", "hard"} and set(merged["setup_rules"]) == {"demo"}
+    judged = {v["setup"]: v for v in verdicts(merged) if v["comparison"].startswith("anchored - standard")}
+    assert judged["demo"]["verdict"] == "not decidable here" and "wider than" in judged["demo"]["reason"]
+    assert judged["hard"]["verdict"] == "reproduces"
+    assert (judged["demo"]["rule_version"], judged["hard"]["rule_version"]) == (1, 2)
+    assert "demo: its rows were kept from an earlier record" in readme({**merged, "axis": "", "title": "tab1", "paper_source": "", "scale": "small", "std": "", "missing": []})
 
 
 def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
