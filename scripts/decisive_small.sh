@@ -7,17 +7,18 @@
 #   scripts/decisive_small.sh                 # every stage, in order
 #   scripts/decisive_small.sh fig1-hard       # one stage (names below)
 #
-# Wall time on the idle 2-core development machine (runs/*.log of issue 36's sweeps): a `hard` run is 6-9 minutes
-# (60 epochs, masking 80, at about 1,650 img/s, then its evaluation), a `demo` run 3-5 (30 epochs, masking 40).
-#   tab1-hard        9 runs                     about 65 min
+# Wall time on the idle 2-core development machine (runs/*.log of issue 36's sweeps): a `hard` run is 8-12 minutes
+# (90 epochs, masking 120, at about 1,650 img/s (5 s an epoch), then its evaluation), a `demo` run 3-5 (30 epochs,
+# masking 40). At 60 epochs tab1-hard took 70 minutes.
+#   tab1-hard        9 runs                     about 100 min
 #   tab3-hard        tab1's models, evaluation  about 5 min
-#   fig1-hard        |R| 50 and whole: 12 runs (standard is tab1's)   about 90 min
+#   fig1-hard        |R| 50 and whole: 12 runs (standard is tab1's)   about 130 min
 #   shortcut-hard    fig1's models, evaluation  about 10 min
 #   fig1-demo        |R| 50: 6 runs (whole is in the record)         about 25 min
 #   shortcut-demo    fig1's models at 50, evaluation                  about 5 min
-#   tab4-hard        alpha 0, 0.25, 0.5, 1 and 1 with the label target: 15 runs   about 110 min
+#   tab4-hard        alpha 0, 0.25, 0.5, 1 and 1 with the label target: 15 runs   about 170 min
 #   er               the testbed, then the fine-tunes with the dense early checkpoints   about 60 min
-#   fig5-hard        fig5a and fig5b at three values each: 54 runs   about 6.5 hours
+#   fig5-hard        fig5a and fig5b at three values each: 54 runs   about 9 hours
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}
