@@ -108,13 +108,21 @@ def run_op_sass(options: OpSassOptions, command: str) -> None:
     except ImportError as error:
         raise ConfigError(f"bench op-sass compiles with triton's bundled CUDA toolchain: triton is not importable "
                           f"here ({error})") from None
-    os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret
-    module = importlib.import_module("fastanchor.kernels.anchor_triton")
-    unknown = [v for v in names_list(options.variants) if v not in module.VARIANTS]
-    if unknown:
-        raise ConfigError(f"--variants: {unknown[0]!r} is not a variant of kernels/anchor_triton.py: expected names "
-                          f"from {', '.join(module.VARIANTS)}")
-    for variant in names_list(options.variants) or [v for v in module.VARIANTS if v != "auto"]:
-        kernel, grid, sass = compiled_variant(variant)
-        print(f"{variant}: grid {grid}, {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared memory, "
-              f"per thread: {resource_usage(kernel)}, {summary(sass_counts(sass))}")
+    interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret; restored after (the command also runs in tests)
+    try:
+        module = importlib.import_module("fastanchor.kernels.anchor_triton")
+        unknown = [v for v in names_list(options.variants) if v not in module.VARIANTS]
+        if unknown:
+            raise ConfigError(f"--variants: {unknown[0]!r} is not a variant of kernels/anchor_triton.py: expected names "
+                              f"from {', '.join(module.VARIANTS)}")
+        for variant in names_list(options.variants) or [v for v in module.VARIANTS if v != "auto"]:
+            kernel, grid, sass = compiled_variant(variant)
+            print(f"{variant}: grid {grid}, {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared memory, "
+                  f"per thread: {resource_usage(kernel)}, {summary(sass_counts(sass))}")
+
+    finally:
+        if interpret is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
