@@ -10,10 +10,9 @@ from scipy import stats
 
 from fastanchor.reproduce.convergence import FIRST_PLATEAU, PLATEAU, epoch_records, plateau_of
 from fastanchor.reproduce.experiments import EXPERIMENTS
-from fastanchor.reproduce.verdicts import judge, line, paper_effect, rules, verdicts
+from fastanchor.reproduce.verdicts import FIRST_RULE, judge, line, paper_effect, rules, verdicts
 
 RULE = {"version": 2, "confidence": 0.95, "fraction": 0.5, "min_pairs": 3, "chance": {"auroc": 50.0}}
-FIRST_RULE = {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}  # version 1: records aggregated before version 2
 CONVERGED = {"converged": True}
 
 
