@@ -81,11 +81,11 @@ NOISE_STD = (1.0, 4.0)  # per-image Gaussian noise std, in 0-255 units
 HARD_EXTENT_FRACTION = (0.26, 0.47)
 HARD_STRETCH = (0.7, 1.0)  # one axis of the shape scaled by this before the rotation
 HARD_LUMINANCE_GAP = 0.15
-HARD_NOISE_STD = (3.0, 10.0)
+HARD_NOISE_STD = (4.0, 12.0)
 HARD_STROKES = (1, 3)  # distractor strokes per image (inclusive)
 HARD_STROKE_WIDTH = (0.03, 0.06)  # of the image side
-HARD_OCCLUDER = (0.11, 0.17)  # radius of the occluding disc, of the image side
-HARD_OCCLUDER_PROBABILITY = 0.6  # (0.4, radius 0.08-0.13, noise 2-8: standard converged above 92%)
+HARD_OCCLUDER = (0.13, 0.20)  # radius of the occluding disc, of the image side
+HARD_OCCLUDER_PROBABILITY = 0.8  # (results/small-scale/hard-calibration: earlier values, above 92%)
 
 _SPLIT_CODES = {"train": 0, "val": 1, "ood": 2, TEXTURE_SPLIT: 3}
 _CIRCLE_POINTS = 96
