@@ -239,8 +239,8 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
 
                     train = training(trainer)
                     shared = EXPERIMENTS[experiment.arm_trained_by[arm]] if arm in experiment.arm_trained_by else None
-                    if shared is not None and same_training(training(shared), train):
-                        trainer, train = shared, training(shared)
+                    if shared is not None and same_training(theirs := training(shared), train):
+                        trainer, train = shared, theirs
                     evaluate = [*setup.evaluation(ev), f"eval.seed={seed}"]
                     run = Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train), tuple(evaluate))
                     runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, out)) if trainer is not experiment
