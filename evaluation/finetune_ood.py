@@ -101,7 +101,8 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
 
 def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:
     """(metric, before, after) in percent, in a fixed order: ID top-1, then FPR95 and AUROC per score on the
-    first OOD set (data.ood_split), then on each further set (named in the metric) and their mean."""
+    first OOD set (data.ood_split), then on each further set (named in the metric); never their mean (a score may be
+    inverted on one set and work on another: the mean of the two is not a reading)."""
     rows = [("ID top-1 (%)", before["id"]["top1"], after["id"]["top1"])]
     sets = list(before["ood"]["sets"])
     for i, ood_set in enumerate(sets):
@@ -111,10 +112,6 @@ def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:
             rows.append((f"FPR95, {name}{where} (%, lower is better)", 100 * scores_before[name]["fpr95"],
                          100 * scores_after[name]["fpr95"]))
             rows.append((f"AUROC, {name}{where} (%)", 100 * scores_before[name]["auroc"], 100 * scores_after[name]["auroc"]))
-    if len(sets) > 1:
-        for name in before["ood"]["mean"]:
-            rows.append((f"AUROC, {name}, mean over the {len(sets)} OOD sets (%)", 100 * before["ood"]["mean"][name]["auroc"],
-                         100 * after["ood"]["mean"][name]["auroc"]))
     return rows
 
 

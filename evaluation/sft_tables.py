@@ -1,9 +1,8 @@
-"""The SFT paper's tables as `fastanchor finetune-ood` settings, and its summary.json flattened to the paper's keys.
+"""The SFT paper's tables as `fastanchor finetune-ood` settings: the paper's step and each table's changes to it.
 
 For `fastanchor reproduce sft-*` (reproduce/sft.py; issue 27): each table of ../shared/papers/002 that fine-tuning reproduces is a set of
 named `--set` override lists on top of the paper's step (`PAPER_STEP`); every number the table needs is in the
-run's summary.json, and `table_values` flattens it to the column keys of reproduce/paper_numbers/002.yaml
-(<set>_fpr95 / <set>_auroc per score, in %), plus ID top-1 and its change.
+run's summary.json (reproduce/sft.py's `scores_of` reads it in the column keys of reproduce/paper_numbers/002.yaml).
 """
 
 from __future__ import annotations
@@ -26,19 +25,3 @@ SFT_TABLES: dict[str, dict[str, list[str]]] = {
 def overrides(table: str, setting: str) -> list[str]:
     """The `--set` overrides of one setting of one table (the paper's step first)."""
     return [*PAPER_STEP, *SFT_TABLES[table][setting]]
-
-
-def table_values(summary: dict, when: str = "after") -> dict[str, float]:
-    """summary.json -> {"id_top1", "id_top1_change", "<score>/<set>_fpr95", "<score>/<set>_auroc", "<score>/average_*"} in %.
-
-    `when`: "before" or "after"; "average" is the mean over the run's OOD sets, as the paper averages its four."""
-    result, ood = summary[when], summary[when]["ood"]
-    values = {"id_top1": result["id"]["top1"], "id_top1_change": result["id"]["top1"] - summary["before"]["id"]["top1"]}
-    for name, scores in ood["sets"].items():
-        for score, metrics in scores.items():
-            values[f"{score}/{name}_fpr95"] = 100 * metrics["fpr95"]
-            values[f"{score}/{name}_auroc"] = 100 * metrics["auroc"]
-    for score, metrics in ood["mean"].items():
-        values[f"{score}/average_fpr95"] = 100 * metrics["fpr95"]
-        values[f"{score}/average_auroc"] = 100 * metrics["auroc"]
-    return values

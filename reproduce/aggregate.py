@@ -105,21 +105,25 @@ def aggregate(experiment: Experiment, runs: list[Run], out: Path, scale: str, se
 
 
 def summarise(rows: list[dict], entries: list[dict], setup_papers: dict[str, str], strict: bool) -> list[dict]:
-    """The mean +- std (ddof 1) over seeds of every (setup, arm, value) group of rows, with the paper's numbers."""
+    """The mean +- std (ddof 1) over seeds of every (setup, arm, value) group of rows, with the paper's numbers; a
+    metric some seeds lack (an SFT average where the score is inverted on a set) has none."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["setup"], row["arm"], json.dumps(row["value"])), []).append(row)
     summary = []
+    measured = sorted({k for r in rows for k in r["metrics"]}, key=natural)  # the paper's number even where ours is none
     for (setup, arm, value), members in groups.items():
         value = json.loads(value)
         keys = sorted({k for r in members for k in r["metrics"]}, key=natural)
         stats = {}
         for key in keys:
             values = [r["metrics"][key] for r in members if key in r["metrics"]]
+            if len(values) < len(members):  # a mean over the seeds that have it would pick them: none
+                continue
             stats[key] = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
                           "n": len(values)}
         compared = paper_setup_for(entries, setup_papers.get(setup, ""), strict)
-        numbers = {key: paper_number(entries, compared, arm, value, key) for key in keys}
+        numbers = {key: paper_number(entries, compared, arm, value, key) for key in measured}
         summary.append({"setup": setup, "arm": arm, "value": value, "seeds": sorted(r["seed"] for r in members),
                         "metrics": stats, "paper_setup": compared,
                         "paper": {k: {"number": e["number"], "source": e["source"]} for k, e in numbers.items() if e}})

@@ -102,6 +102,8 @@ class Experiment:
     planner: Callable | None = None
     # rows(run, result JSON) -> [(arm, value, metrics)]: the table rows one run gives; None: one row of metrics_of
     rows: Callable | None = None
+    # restate(metrics) -> metrics: a recorded row under the current rules, where the record's rows are all there is
+    restate: Callable | None = None
     # aggregate(experiment, runs, out, scale) -> result dict, for experiments whose result is not a table of rows
     aggregator: Callable | None = None
     # recorder(result, out folder, record folder): the files of the runs the committed record keeps beside result.json

@@ -95,8 +95,11 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     paths = write_results(result, Path(options.out) / experiment.name, whole)
     print(f"{len(runs) - len(result['missing'])} of {len(runs)} runs aggregated: {', '.join(map(str, paths.values()))}")
     if options.record:
-        if options.setup_names or options.value_names:  # part of the experiment: the record keeps its other cells
-            result = keep_other_cells(result, Path(options.record) / experiment.name / "result.json", runs)
+        recorded = Path(options.record) / experiment.name / "result.json"
+        # --aggregate-only with none of the runs here: the record's own rows, re-summarised by the current rules
+        restating = options.aggregate_only and bool(runs) and len(result.get("missing", ())) == len(runs)
+        if options.setup_names or options.value_names or restating:  # part of it: the record keeps its other cells
+            result = keep_other_cells(result, recorded, [] if restating else runs, experiment.restate)
             paths = write_results(result, Path(options.out) / experiment.name, whole)
         written = write_record(result, paths.get("result.png"), Path(options.record) / experiment.name)
         if experiment.recorder:
@@ -105,10 +108,12 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     return result
 
 
-def keep_other_cells(result: dict, recorded: Path, runs: list[Run]) -> dict:
+def keep_other_cells(result: dict, recorded: Path, runs: list[Run], restate=None) -> dict:
     """`result` (of the runs --setups/--values chose) with the committed record's rows of every (setup, value) those
-    runs do not cover, each marked with the command that made it; summary and verdicts recomputed."""
-    if not recorded.is_file() or not result.get("runs"):
+    runs do not cover, each marked with the command that made it and passed through `restate` (the experiment's
+    current reading of a recorded row, if it has one); summary and verdicts recomputed. No runs: the record's rows
+    alone, as it recorded them missing."""
+    if not recorded.is_file() or "runs" not in result:
         return result
     from fastanchor.files import read_json
     from fastanchor.reproduce.aggregate import summarise as summarise_rows
@@ -116,10 +121,13 @@ def keep_other_cells(result: dict, recorded: Path, runs: list[Run]) -> dict:
 
     old = read_json(recorded, "record")
     covered = {(run.setup, json.dumps(run.value)) for run in runs}
-    kept = [{**row, "from_record": row.get("from_record") or old.get("command", "")} for row in old.get("runs", [])
-            if (row["setup"], json.dumps(row["value"])) not in covered]
+    kept = [{**row, "from_record": row.get("from_record") or old.get("command", ""),
+             **({"metrics": restate(row["metrics"])} if restate else {})}
+            for row in old.get("runs", []) if (row["setup"], json.dumps(row["value"])) not in covered]
     if not kept:
         return result
+    if not runs:
+        result = {**result, "missing": old.get("missing", []), **({"finished": old["finished"]} if "finished" in old else {})}
     rows = result["runs"] + kept
     # a setup none of the runs touch keeps the rule its record was judged by (a revision never re-judges it)
     rerun = {run.setup for run in runs}

@@ -68,8 +68,12 @@ def markdown(result: dict, view: View) -> str:
              f"- scale: {result['scale']}; runs: {result.get('finished', len(result['runs']))} finished"
              + (f", {len(result['missing'])} not (yet): {', '.join(result['missing'])}" if result["missing"] else ""),
              f"- figures: mean ± {result['std']}; 'paper' columns: the paper's number for the same arm"
-             + (f" and {axis}" if axis else "") + " (its setup named in the row)",
-             ""]
+             + (f" and {axis}" if axis else "") + " (its setup named in the row)"]
+    if "average_auroc" in columns:  # the SFT tables (reproduce/sft.py natural_average)
+        lines.append("- average: over the OOD sets SFT does not train on (shapes, textures); '-' where the score's AUROC is "
+                     "below chance (50) on one of them in a seed: an inverted detector averaged with a working one is "
+                     "not a reading")
+    lines.append("")
     head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"]
     body = []
     for metric in columns:

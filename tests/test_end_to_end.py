@@ -89,8 +89,8 @@ def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
                 per_set = [100 * sft[when]["ood"]["sets"][name][score]["auroc"] for name in sets]
                 shown = [float(cells[f"AUROC, {score}{'' if i == 0 else ' on ' + name} (%)"][column + offset])
                          for i, name in enumerate(sets)]
-                mean = float(cells[f"AUROC, {score}, mean over the 2 OOD sets (%)"][column + offset])
-                assert shown == pytest.approx(per_set, abs=0.006) and mean == pytest.approx(sum(per_set) / 2, abs=0.006)
+                assert shown == pytest.approx(per_set, abs=0.006)
+    assert not [name for name in cells if "mean over" in name]  # no mean over OOD sets: one may be inverted
 
 
 def test_demo_sft_line_reads_the_committed_record(tmp_path):
