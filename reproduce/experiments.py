@@ -196,17 +196,17 @@ def trained_elsewhere(run: Run, trainer: str, out: str) -> tuple[Train, Link, Ev
 
 
 def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0, device: str = "auto",
-         progress: bool = True, only_setups: tuple[str, ...] = (), only_values: tuple[str, ...] = ()
-         ) -> tuple[list[Run], list[str]]:
+         progress: bool = True, only_setups: tuple[str, ...] = (), only_values: tuple[str, ...] = (),
+         first_seed: int = 0) -> tuple[list[Run], list[str]]:
     """Every run of `experiment` at `scale` (only those setups and swept values, where given), and notes on the data
     the plan found or left out."""
     if scale not in experiment.scales:
         raise ConfigError(f"--scale {scale}: {experiment.name} runs at {', '.join(experiment.scales)} "
                           f"(docs/reproduce.md says why)")
     if experiment.planner:
-        if only_setups or only_values:
-            raise ConfigError(f"--setups and --values choose among the anchoring experiments' runs; {experiment.name} "
-                              f"plans its own")
+        if only_setups or only_values or first_seed:
+            raise ConfigError(f"--setups, --values and --first-seed choose among the anchoring experiments' runs; "
+                              f"{experiment.name} plans its own")
         return experiment.planner(experiment, scale, data, out, seeds, device, progress)
     found = setups(scale, data)
     names = [n for n in experiment.setups.get(scale, ()) if n in found] or [next(iter(found))]  # --data: its one setup
@@ -223,7 +223,7 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
             for value in experiment.arm_values(arm, values):
                 if only_values and value is not None and value_slug(value) not in only_values:
                     continue
-                for seed in range(count):
+                for seed in range(first_seed, first_seed + count):
                     parts = [setup.name, arm] + ([AXIS_KEYS[experiment.axis] + value_slug(value)]
                                                  if value is not None else []) + [f"s{seed}"]
                     run_name = "-".join(parts)

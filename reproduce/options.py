@@ -20,6 +20,7 @@ class ReproduceFlags(Overrides, OnDevice):
     data: str = option("", "data root: the embedded dataset (tiny, small) or the folder docs/reproduce.md lays out")
     out: str = option("runs/reproduce", "where <experiment>/<run>/ and the aggregated result files are written")
     seeds: int = option(0, "seeds per configuration (0: the experiment's default)")
+    first_seed: int = option(0, "the first seed: seeds first-seed, first-seed + 1, ... (a replication with fresh seeds)")
     setups: str = option("", "only these setups, comma-separated (e.g. demo,hard; '': all of the scale's)")
     values: str = option("", "only these swept values, comma-separated as in the run names (e.g. 50,whole; '': all)")
     dry_run: bool = option(False, "print every run's train and evaluate command lines; run nothing")
@@ -68,6 +69,7 @@ result.md and result.png beside them."""
         return super().checks() + [
             ("scale", self.scale in SCALES, ", ".join(SCALES)),
             ("seeds", self.seeds >= 0, "0 (the experiment's default) or a positive count"),
+            ("first_seed", self.first_seed >= 0, "0 or a positive seed"),
             ("max_runs", self.max_runs >= 0, "0 (all) or a positive count"),
             ("data", bool(self.data) or self.effective_scale in ("tiny", "small", "gpu"),
              f"the data root (--data ROOT) at scale {self.effective_scale}: docs/reproduce.md lists what it holds"),

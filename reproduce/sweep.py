@@ -151,7 +151,7 @@ def run_reproduce(options: ReproduceOptions, command: str) -> int:
     experiment = EXPERIMENTS[options.experiment]
     scale = options.effective_scale
     runs, notes = plan(experiment, scale, options.data, options.out, options.seeds, options.device, options.progress,
-                       options.setup_names, options.value_names)
+                       options.setup_names, options.value_names, options.first_seed)
     runs = [run.with_overrides(tuple(options.overrides)) for run in runs]  # --set: every run takes them
     for note in notes:
         print(f"note: {note}")

@@ -175,6 +175,20 @@ def test_dry_run_fig1_sweeps_the_fixed_reference_set_from_5_to_the_training_set(
     assert all(min(s) == 5 and max(s) == 50_000 for s in sizes.values())  # CIFAR's whole training set
 
 
+def test_first_seed_plans_a_replication_with_fresh_seeds(tmp_path):
+    """`--first-seed 3 --seeds 2`: the runs of seeds 3 and 4 (names, train.seed, fig1's standard shared with tab1's
+    run of the same seed); an experiment that plans its own runs refuses it in one line."""
+    from fastanchor.reproduce.experiments import plan
+
+    runs, _ = plan(EXPERIMENTS["fig1"], "small", "", str(tmp_path), seeds=2, only_setups=("demo",), only_values=("whole",),
+                   first_seed=3)
+    assert sorted({r.seed for r in runs}) == [3, 4] and all(r.name.endswith(("-s3", "-s4")) for r in runs)
+    assert all(f"train.seed={r.seed}" in r.train for r in runs)
+    assert {r.folder(str(tmp_path)).name for r in runs if r.arm == "standard"} == {"demo-standard-s3", "demo-standard-s4"}
+    refused = run_main("reproduce", "sft-tab1-2", "--first-seed", "3", "--dry-run")
+    assert refused.returncode == 2 and "--first-seed choose among the anchoring experiments' runs" in refused.stderr
+
+
 def test_paper_numbers_are_typed_once_with_their_source():
     data = yaml.safe_load((PAPER_NUMBERS / "000.yaml").read_text())
     assert set(data["experiments"]) == {name for name, e in EXPERIMENTS.items() if e.paper == "000"}
@@ -753,5 +767,6 @@ def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
         options = dict(zip(args[::2], args[1::2]))
         runs, _ = plan(EXPERIMENTS[experiment], "small", "", str(tmp_path),
                        only_setups=tuple(filter(None, options.get("--setups", "").split(","))),
-                       only_values=tuple(filter(None, options.get("--values", "").split(","))))
-        assert runs, name
+                       only_values=tuple(filter(None, options.get("--values", "").split(","))),
+                       first_seed=int(options.get("--first-seed", 0)))
+        assert runs and {r.seed for r in runs} >= {int(options.get("--first-seed", 0))}, name
