@@ -9,6 +9,7 @@ import re
 from fastanchor.reproduce.experiments import ARM_LABELS
 from fastanchor.reproduce.extract import natural, pick
 from fastanchor.reproduce.runs import View
+from fastanchor.reproduce.sft import CHANCE_AUROC
 
 METRIC_LABELS = {"shortcut_unchanged_by_swap": "unchanged by a swapped reference (%)",
                  "shortcut_top1_masked": "top-1 on [0, x-r]", "shortcut_top1_swapped": "top-1 on [r', x-r]",
@@ -70,9 +71,9 @@ def markdown(result: dict, view: View) -> str:
              f"- figures: mean ± {result['std']}; 'paper' columns: the paper's number for the same arm"
              + (f" and {axis}" if axis else "") + " (its setup named in the row)"]
     if "average_auroc" in columns:  # the SFT tables (reproduce/sft.py natural_average)
-        lines.append("- average: over the OOD sets SFT does not train on (shapes, textures); '-' where the score's AUROC is "
-                     "below chance (50) on one of them in a seed: an inverted detector averaged with a working one is "
-                     "not a reading")
+        lines.append("- average: over the OOD sets SFT does not train on (shapes, textures); '-' where the score's AUROC "
+                     f"is below chance ({CHANCE_AUROC:g}) on one of them in a seed: an inverted detector averaged with a "
+                     "working one is not a reading")
     lines.append("")
     head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"]
     body = []
