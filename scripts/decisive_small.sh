@@ -27,7 +27,14 @@
 #   shortcut-hard    fig1's models, evaluation  about 10 min
 #   tab4-hard        alpha 0, 0.25, 0.5, 1 and 1 with the label target: 15 runs   about 170 min
 #   er               the testbed, then the fine-tunes with the dense early checkpoints   about 60 min
-#   fig5-hard        fig5a and fig5b at three values each: 54 runs   about 9 hours
+#   fig5-demo        fig5a and fig5b at three values each on demo: 54 runs   about 3 hours (trivialaugment decodes
+#                    JPEGs each epoch: the memory loader has no per-image policies)
+#   tab1-r18         tab1 on demo_resnet18 (the CIFAR ResNet-18, bf16 on the CPU's AMX: about 160 img/s,
+#                    16 min a 30-epoch run): 9 runs   about 3 hours
+#   tab3-r18         tab1's models, evaluation  about 5 min
+#   fig1-r18         |R| 50 and whole on demo_resnet18: 12 runs   about 4 hours
+#   shortcut-r18     fig1's models, evaluation  about 10 min
+#   fig5-hard        fig5a and fig5b at three values each on hard: 54 runs   about 9 hours
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}
@@ -40,7 +47,8 @@ run() {  # stage name, then the reproduce arguments
 }
 
 stage=${1:-all}
-stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard er fig5-hard "
+stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard er fig5-demo "
+stages+="tab1-r18 tab3-r18 fig1-r18 shortcut-r18 fig5-hard "
 [[ $stages == *" $stage "* ]] || { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages)" >&2; exit 2; }
 want() { [[ $stage == all || $stage == "$1" ]]; }
 want tab1-hard && run tab1-hard tab1 --setups hard
@@ -53,6 +61,11 @@ want fig1-hard && run fig1-hard fig1 --setups hard --values 50,whole
 want shortcut-hard && run shortcut-hard shortcut --setups hard --values 50,whole
 want tab4-hard && run tab4-hard tab4 --setups hard
 want er && run er-testbed er-testbed && run er-finetune er-finetune
+want fig5-demo && run fig5a-demo fig5a --setups demo && run fig5b-demo fig5b --setups demo
+want tab1-r18 && run tab1-r18 tab1 --setups demo_resnet18
+want tab3-r18 && run tab3-r18 tab3 --setups demo_resnet18
+want fig1-r18 && run fig1-r18 fig1 --setups demo_resnet18 --values 50,whole
+want shortcut-r18 && run shortcut-r18 shortcut --setups demo_resnet18 --values 50,whole
 want fig5-hard && run fig5a-hard fig5a --setups hard && run fig5b-hard fig5b --setups hard
 [[ $RECORD == results/reproduce ]] && "$FASTANCHOR" docs
 exit 0
