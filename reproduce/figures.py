@@ -13,7 +13,7 @@ import numpy as np
 from fastanchor.reproduce.experiments import WHOLE
 from fastanchor.reproduce.extract import natural, pick
 from fastanchor.reproduce.runs import View
-from fastanchor.reproduce.tables import arm_label, arm_rank, label
+from fastanchor.reproduce.tables import arm_label, arm_rank, group_key, label, trained_epochs
 
 PALETTE = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 
@@ -53,23 +53,28 @@ def paper_line(ax, papers: list[tuple], color: str, arm: str, paper_setup: str) 
             label=f"{arm_label(arm)}, paper ({paper_setup})")
 
 
-def curve_arm(ax, mine: list[dict], metric: str, xs: dict, color: str, arm: str) -> None:
-    """One arm of a curve panel: its mean +- std at each swept value (a level line when it sweeps nothing)."""
+def curve_arm(ax, mine: list[dict], metric: str, xs: dict, color: str, arm: str, schedules: dict[tuple, str]) -> None:
+    """One arm of a curve panel: its mean +- std at each swept value (a level line when it sweeps nothing); cells of
+    an earlier record's schedule (`schedules`, tables.trained_epochs) drawn apart."""
     if mine and mine[0]["value"] is None:
         ax.axhline(mine[0]["metrics"][metric]["mean"], color=color, ls="--", label=arm_label(arm))
         return
-    if mine:
-        ax.errorbar([xs[g["value"]] for g in mine], [g["metrics"][metric]["mean"] for g in mine],
-                    yerr=[g["metrics"][metric]["std"] for g in mine], color=color, marker="o", capsize=3,
-                    label=arm_label(arm))
+    for earlier in (False, True):  # cells of an earlier record's schedule: open markers, never joined to the others
+        these = [g for g in mine if (schedules.get(group_key(g)) == "earlier") == earlier]
+        if these:
+            ax.errorbar([xs[g["value"]] for g in these], [g["metrics"][metric]["mean"] for g in these],
+                        yerr=[g["metrics"][metric]["std"] for g in these], color=color, marker="o", capsize=3,
+                        ls=":" if earlier else "-", mfc="none" if earlier else color,
+                        label=arm_label(arm) + (" (an earlier record's schedule)" if earlier else ""))
     papers = [(xs[g["value"]], g["paper"][metric]["number"]) for g in mine if metric in g["paper"]]
     if papers:
         paper_line(ax, papers, color, arm, mine[0]["paper_setup"])
 
 
 def curve_panel(ax, groups: list[dict], metric: str, arms: list[str], colours: dict, axis: str, log_x: bool,
-                whole_size: int) -> None:
-    """A metric against the swept value, a line per arm; `whole_size`: the training set's size (0: unknown)."""
+                whole_size: int, schedules: dict[tuple, str] | None = None) -> None:
+    """A metric against the swept value, a line per arm; `whole_size`: the training set's size (0: unknown);
+    `schedules`: each cell's epochs (tables.trained_epochs)."""
     values = [v for v in dict.fromkeys(g["value"] for g in groups) if v is not None]
     numeric = [v for v in values if isinstance(v, (int, float))] or [1]
     values = [v for v in values if v == WHOLE or isinstance(v, (int, float))]  # a named variant (tab4's alpha 1 with
@@ -78,7 +83,7 @@ def curve_panel(ax, groups: list[dict], metric: str, arms: list[str], colours: d
     for arm in arms:
         mine = sorted((g for g in groups if g["arm"] == arm and metric in g["metrics"]),
                       key=lambda g: xs.get(g["value"], 0))
-        curve_arm(ax, mine, metric, xs, colours[arm], arm)
+        curve_arm(ax, mine, metric, xs, colours[arm], arm, schedules or {})
     if log_x:
         ax.set_xscale("log")
         ticks = [f"all ({xs[v]})" if v == WHOLE and whole_size else "all" if v == WHOLE else str(v) for v in xs]
@@ -170,7 +175,7 @@ def figure(result: dict, view: View, path: Path, whole: dict[str, int] | None = 
         groups = [g for g in summary if g["setup"] == setup]
         if view.plot == "curve":
             curve_panel(ax, groups, metric, arms, colours, result["axis"], view.log_x,
-                        (whole or {}).get(setup, 0))
+                        (whole or {}).get(setup, 0), trained_epochs(result))
         elif view.plot == "severity":
             severity_panel(ax, groups, metric, present, arms, colours)
         else:  # bars_values, bars_metrics

@@ -74,8 +74,13 @@ def markdown(result: dict, view: View) -> str:
         lines.append("- average: over the OOD sets SFT does not train on (shapes, textures); '-' where the score's AUROC "
                      f"is below chance ({CHANCE_AUROC:g}) on one of them in a seed: an inverted detector averaged with a "
                      "working one is not a reading")
+    schedules = trained_epochs(result)
+    if any(schedules.values()):
+        lines.append("- epochs: each row's training epochs, as recorded with its runs; 'earlier': a cell kept from an "
+                     "earlier record that did not record them (its command in result.json), at that record's "
+                     "schedule: compare it with its own record's rows, not with these")
     lines.append("")
-    head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"]
+    head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"] + (["epochs"] if any(schedules.values()) else [])
     body = []
     for metric in columns:
         head.append(label(metric))
@@ -84,6 +89,7 @@ def markdown(result: dict, view: View) -> str:
     for g in sorted(result["summary"], key=lambda g: (g["setup"], arm_rank(g["arm"]), value_order(g["value"]))):
         cells = [g["setup"] + (f" (paper: {g['paper_setup']})" if g["paper"] else ""), arm_label(g["arm"])]
         cells += ([str(g["value"]) if g["value"] is not None else "-"] if axis else []) + [str(len(g["seeds"]))]
+        cells += [schedules[group_key(g)] or "-"] if any(schedules.values()) else []
         for metric in columns:
             cells.append(fmt(g["metrics"].get(metric), 3 if metric.startswith(("smece", "ood_loss")) else 2))
             if any(metric in h["paper"] for h in result["summary"]):
@@ -112,6 +118,26 @@ def markdown(result: dict, view: View) -> str:
         lines.append("")
     lines += [f"![{result['experiment']}](result.png)", ""]
     return "\n".join(lines)
+
+
+def group_key(row: dict) -> tuple:
+    """A result row's or summary group's cell: (setup, arm, value)."""
+    return row["setup"], row["arm"], json.dumps(row["value"])
+
+
+def trained_epochs(result: dict) -> dict[tuple, str]:
+    """Each cell's training epochs as its runs recorded them ("30", or "30/40" where they differ); "earlier" for a cell
+    kept from an earlier record that recorded none while another cell did (a schedule not to be compared with the
+    others); "" where no cell recorded any."""
+    epochs: dict[tuple, set] = {}
+    kept: set[tuple] = set()
+    for row in result.get("runs", []):
+        cell = epochs.setdefault(group_key(row), set())
+        cell.update([(row.get("training") or {}).get("epochs")] if (row.get("training") or {}).get("epochs") else [])
+        kept.update([group_key(row)] if "from_record" in row else [])
+    recorded = any(epochs.values())
+    return {key: "/".join(map(str, sorted(found))) if found else "earlier" if recorded and key in kept else ""
+            for key, found in epochs.items()}
 
 
 def own_markdown(result: dict, view: View) -> str:

@@ -676,25 +676,40 @@ def test_the_gpu_scale_plans_fig1_and_tab1_with_a_predicted_time():
 
 def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path):
     """`--values whole --record DIR`: the record keeps its rows at the other |R| (marked with their command), drops
-    those the new runs replace, and recomputes the summary over both."""
+    those the new runs replace, and recomputes the summary over both; the table and the figure tell the kept cells
+    (an earlier schedule) from the rerun ones."""
+    from fastanchor.reproduce.figures import curve_panel
     from fastanchor.reproduce.runs import Run
     from fastanchor.reproduce.sweep import keep_other_cells
+    from fastanchor.reproduce.tables import markdown, trained_epochs
 
-    def row(arm, value, seed, c_mean):
+    def row(arm, value, seed, c_mean, epochs=None):
         return {"run": f"demo-{arm}-{value}-s{seed}", "setup": "demo", "arm": arm, "value": value, "seed": seed,
-                "metrics": {"c_mean": c_mean}, "training": None}
+                "metrics": {"c_mean": c_mean}, "training": epochs and {"epochs": epochs, "converged": True}}
 
     old = {"command": "fastanchor reproduce fig1 (old)", "runs": [row("anchored", 5, 0, 70.0), row("anchored", "whole", 0, 71.0),
                                                                  row("standard", None, 0, 60.0)]}
     (tmp_path / "result.json").write_text(json.dumps(old))
     new = {"experiment": "fig1", "paper": paper_numbers("fig1"), "setups": {"demo": "CIFAR-10 ResNet-18"},
-           "runs": [row("anchored", "whole", 0, 80.0), row("standard", None, 0, 65.0)]}
+           "runs": [row("anchored", "whole", 0, 80.0, 30), row("standard", None, 0, 65.0, 30)]}
     runs = [Run("fig1", r["run"], "demo", r["arm"], r["value"], 0, "demo", (), ()) for r in new["runs"]]
     merged = keep_other_cells(new, tmp_path / "result.json", runs)
     assert [(r["arm"], r["value"], r["metrics"]["c_mean"], r.get("from_record")) for r in merged["runs"]] == [
         ("anchored", "whole", 80.0, None), ("standard", None, 65.0, None), ("anchored", 5, 70.0, "fastanchor reproduce fig1 (old)")]
     means = {(g["arm"], json.dumps(g["value"])): g["metrics"]["c_mean"]["mean"] for g in merged["summary"]}
     assert means == {("anchored", '"whole"'): 80.0, ("standard", "null"): 65.0, ("anchored", "5"): 70.0}
+    assert trained_epochs(merged) == {("demo", "anchored", '"whole"'): "30", ("demo", "standard", "null"): "30",
+                                      ("demo", "anchored", "5"): "earlier"}
+    table = markdown({**merged, "title": "fig1", "paper_source": "", "scale": "small", "std": "", "missing": [], "axis": "|R|"},
+                     EXPERIMENTS["fig1"].view)
+    assert "| demo | Anchored (alpha 0) | 5 | 1 | earlier |" in table and "| demo | Anchored (alpha 0) | whole | 1 | 30 |" in table
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots()
+    curve_panel(axes, merged["summary"], "c_mean", ["standard", "anchored"], {"standard": "k", "anchored": "C0"}, "|R|",
+                True, 5000, trained_epochs(merged))
+    labels = axes.get_legend_handles_labels()[1]
+    plt.close(figure)
+    assert "Anchored (alpha 0) (an earlier record's schedule)" in labels and "Anchored (alpha 0)" in labels
 
 
 def test_aggregating_with_no_run_here_restates_the_records_rows(tmp_path):
