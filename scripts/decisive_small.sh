@@ -34,6 +34,8 @@
 #   tab3-r18         tab1's models, evaluation  about 5 min
 #   fig1-r18         |R| 50 and whole on demo_resnet18: 12 runs   about 4 hours
 #   shortcut-r18     fig1's models, evaluation  about 10 min
+#   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs   about 65 min
+#   shortcut-demo-rest  their models, evaluation   about 5 min
 #   fig5-hard        fig5a and fig5b at three values each on hard: 54 runs   about 9 hours
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +50,7 @@ run() {  # stage name, then the reproduce arguments
 
 stage=${1:-all}
 stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard er fig5-demo "
-stages+="tab1-r18 tab3-r18 fig1-r18 shortcut-r18 fig5-hard "
+stages+="tab1-r18 tab3-r18 fig1-r18 shortcut-r18 fig1-demo-rest shortcut-demo-rest fig5-hard "
 [[ $stages == *" $stage "* ]] || { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages)" >&2; exit 2; }
 want() { [[ $stage == all || $stage == "$1" ]]; }
 want tab1-hard && run tab1-hard tab1 --setups hard
@@ -66,6 +68,8 @@ want tab1-r18 && run tab1-r18 tab1 --setups demo_resnet18
 want tab3-r18 && run tab3-r18 tab3 --setups demo_resnet18
 want fig1-r18 && run fig1-r18 fig1 --setups demo_resnet18 --values 50,whole
 want shortcut-r18 && run shortcut-r18 shortcut --setups demo_resnet18 --values 50,whole
+want fig1-demo-rest && run fig1-demo-rest fig1 --setups demo --values 5,10,500 --first-seed 3
+want shortcut-demo-rest && run shortcut-demo-rest shortcut --setups demo --values 5,500 --first-seed 3
 want fig5-hard && run fig5a-hard fig5a --setups hard && run fig5b-hard fig5b --setups hard
 [[ $RECORD == results/reproduce ]] && "$FASTANCHOR" docs
 exit 0
