@@ -6,6 +6,8 @@ Real models, real training through the CLI, an eager step as the reference."""
 from __future__ import annotations
 
 import json
+import re
+import warnings
 
 import pytest
 import torch
@@ -219,11 +221,14 @@ def test_resnet50s_whole_step_traces_as_one_graph():
 
 @pytest.mark.slow  # inductor compiles the step: about a minute on the 2-core machine
 def test_a_compiled_step_trains_through_the_cli_and_records_its_settings(tiny_dataset, tmp_path):
-    """train.compile=step (inductor) for 2 steps of the demo recipe, with the padded stem and the op by name: the run's
-    config records every setting, and a benchmark result records them at its top."""
-    run = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
-        "train.run_name": "compiled", "train.compile": "step", "train.max_steps": 2, "train.log_interval": 1,
-        "model.stem_channels": 8, "anchor.kernel": "torch", "optim.name": "sgd"}))
+    """train.compile=step (inductor) for 2 steps of the demo recipe (its smallest model, the plain 5-conv net: less
+    code to generate), with the padded stem and the op by name: the run's config records every setting, and a
+    benchmark result records them at its top; the LR scheduler knows the compiled update stepped the optimizer."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        run = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
+            "train.run_name": "compiled", "train.compile": "step", "train.max_steps": 2, "train.log_interval": 1,
+            "model.name": "fastanchor_convnet5", "model.stem_channels": 8, "anchor.kernel": "torch", "optim.name": "sgd"}))
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if "loss" in r]) == 2 and all(torch.isfinite(torch.tensor(r["loss"]))

@@ -178,6 +178,9 @@ class CompiledTrainStep(TrainStep):
             lr.fill_(group["lr"])
         with torch._dynamo.config.patch(trace_autograd_ops=True):  # torch.autograd.grad inside the graph
             loss = self.compiled(stage.assemble, drawn, self.lrs, self._momentum_buffers())
+        # the update above is the optimizer's step: say so to an LR scheduler, which otherwise warns, at its first
+        # step, that it was called before `optimizer.step()` (the flag its wrapper of optimizer.step sets)
+        self.optimizer._opt_called = True
         return (loss.clone() if self.cudagraphs else loss), drawn  # a replay overwrites its outputs
 
     def __call__(self, batch: AnchoredBatch):
