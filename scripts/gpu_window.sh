@@ -17,7 +17,8 @@
 # end to end with FFCV; the step eager and with the padded stem alone; the op's kernel variants; the loaders on all
 # cores. The rehearsal traces the compiled stages' one graph without generating code (train.compile_backend=eager:
 # inductor's code is tests/test_step_options.py's, a minute a model on the CPU), CUDA graphs as the compiled step, the
-# op by name as the torch path and the nvJPEG stages with the torchvision loader: what needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages file,
+# op by name as the torch path, the nvJPEG stages with the torchvision loader and FFCV's end to end without the naive
+# arm: what needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages file,
 # results/gpu/stages-*.txt) are held against what is left: a stage that would not finish is skipped and says so,
 # and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit status,
 # seconds, or why it was skipped); OUTDIR/window.tar.gz holds everything so far and is rewritten after each stage,
@@ -65,8 +66,9 @@ PYTHON=$(command -v "${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/pytho
 ffcv_wheel=$(compgen -G "$WHEELS/ffcv-*.whl" | head -1)
 needs_of() {  # what a stage needs that may be missing, or nothing
     case $1 in
-        e2e-ffcv) "$PYTHON" -c "import ffcv" 2>/dev/null || [[ -n $ffcv_wheel ]] ||
-                      echo "FFCV: no ffcv importable and no wheel in $WHEELS (scripts/gpu_wheels.sh writes it; carry it)" ;;
+        e2e-ffcv) "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('ffcv') is None)" 2>/dev/null ||
+                      [[ -n $ffcv_wheel ]] ||
+                      echo "FFCV: no ffcv installed and no wheel in $WHEELS (scripts/gpu_wheels.sh writes it; carry it)" ;;
     esac
 }
 
@@ -134,7 +136,7 @@ if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, 
     step_run=(--set data.batch_size=256 --models resnet50@176) op_shape=(--batch-size 256 --image-size 176)
     loader_shape=(--set data.batch_size=256 --set data.image_size=176) tests=(tests/test_gpu.py tests/test_anchor_triton.py
         tests/test_reference_bank.py tests/test_pseudo_ood.py tests/test_nvjpeg_loader.py -k "not compiled_step")
-    nvjpeg=nvjpeg kernel=triton:cl cudagraphs=step-cudagraphs timed=(--batches 100) backend=inductor
+    nvjpeg=nvjpeg kernel=triton:cl cudagraphs=step-cudagraphs timed=(--batches 100) backend=inductor ffcv_naive=()
     op_paths=(--paths triton,triton:strided,triton:cl,triton:cl-small,triton:cl-big,triton:cl-rcp,torch)
     loaders=torchvision,ffcv,nvjpeg,nvjpeg-per-image
 else  # the rehearsal: the same stages, tiny
@@ -143,6 +145,7 @@ else  # the rehearsal: the same stages, tiny
     step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2) op_shape=(--batch-size 8 --image-size 32)
     loader_shape=(--set data.batch_size=8 --set data.image_size=32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
     nvjpeg=torchvision kernel=torch cudagraphs=step timed=(--batches 6) backend=eager
+    ffcv_naive=(--no-naive)  # its second FFCV loader compiles FFCV's pipeline again; tests/test_benchmarks.py has the arm
     op_paths=(--paths torch,numba) loaders=torchvision,ffcv
 fi
 # the settings aimed at 7,000 img/s, both arms alike: the whole step compiled, the stem padded to 8 channels, the op's
@@ -150,12 +153,16 @@ fi
 fast=(--set train.compile=step --set train.compile_backend="$backend" --set model.stem_channels=8
       --set anchor.kernel="$kernel" --set train.cudnn_benchmark=true)
 
-# the JPEGs are written on the CPUs while the GPU runs its tests
-"${fa[@]}" bench data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress >"$raw/data.log" 2>&1 &
-writing=$!
+# the JPEGs are written on the CPUs while the GPU runs its tests, unless no stage that reads them could start
+reading=$(for name in e2e-nvjpeg e2e-fast e2e-ffcv loaders; do predicted "$name"; done | sort -n | head -1)
+writing=
+if ((deadline - SECONDS >= reading)); then
+    "${fa[@]}" bench data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress >"$raw/data.log" 2>&1 &
+    writing=$!
+fi
 stage gpu-tests "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -q --tb=short -ra --durations=15 \
     --timeout 60 --junitxml="$raw/gpu-tests.xml"
-wait "$writing" || echo "== writing the JPEGs failed: $raw/data.log"
+[[ -z $writing ]] || wait "$writing" || echo "== writing the JPEGs failed: $raw/data.log"
 e2e=("${fa[@]}" bench e2e "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" "${timed[@]}" "${run[@]}")
 stage e2e-nvjpeg "${e2e[@]}" --loader "$nvjpeg" --no-naive --tag window-nvjpeg
 stage e2e-fast "${e2e[@]}" --loader "$nvjpeg" --no-naive "${fast[@]}" --tag window-fast
@@ -163,7 +170,7 @@ stage step-fast "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]
     --tag window-fast
 stage step-cudagraphs "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
     --set train.compile="$cudagraphs" --tag window-cudagraphs
-stage e2e-ffcv "${e2e[@]}" --loader ffcv --tag window-ffcv
+stage e2e-ffcv "${e2e[@]}" --loader ffcv "${ffcv_naive[@]}" --tag window-ffcv
 stage step "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --tag window-eager
 stage step-padded "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --set model.stem_channels=8 \
     --tag window-padded

@@ -65,7 +65,7 @@ def test_the_whole_window_rehearses_on_the_cpu(tmp_path):
 
 
 def test_a_stage_predicted_past_the_deadline_is_skipped_and_says_why(tmp_path):
-    result = window(tmp_path, "--deadline", "25")
+    result = window(tmp_path, "--deadline", "15")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = stage_lines(tmp_path)
     assert list(lines) == STAGES
