@@ -41,6 +41,7 @@ FINETUNE = ["anchor.enabled=false", "optim.name=sgd", "optim.nesterov=false", "o
 FINETUNE_SIZE = {"small": dict(epochs=8, checkpoint_interval=13, checkpoint_steps=list(range(1, 13))),
                  "tiny": dict(epochs=1, checkpoint_interval=1, checkpoint_steps=[])}
 LEARNING_RATE = {"pretrained": 0.005, "random": 0.05}
+EARLY_ID_TOP1 = 95.0  # %: a run's early window is its checkpoints before ID top-1 first reaches this
 GROUP_LABELS = {"pretrained": "pretrained", "random": "random init"}
 
 
@@ -146,11 +147,14 @@ def finetune_result(experiment: Experiment, runs: list[Run], out: Path, scale: s
         er_path = Path(r.folder(out)) / "robustness_over_training.json"
         if er_path.is_file():
             epochs = read_json(er_path, "robustness result")["epochs"]
+            early = next((i for i, e in enumerate(epochs) if e["id_top1"] >= EARLY_ID_TOP1), len(epochs))
             rows.append({"run": r.name, "setup": r.setup, "arm": r.arm, "value": None, "seed": r.seed,
                          "metrics": {"final_id_top1": epochs[-1]["id_top1"], "final_ood_top1": epochs[-1]["ood_top1"],
                                      "final_er": epochs[-1]["effective_robustness"],
                                      "max_er": max(e["effective_robustness"] for e in epochs),
-                                     "checkpoints": len(epochs)}})
+                                     "checkpoints": len(epochs), "early_checkpoints": early,
+                                     **({"early_max_er": max(e["effective_robustness"] for e in epochs[:early])}
+                                        if early else {})}})
     done = {row["run"] for row in rows}
     return {"kind": "er-finetune", "runs": rows, "missing": [r.name for r in finetunes if r.name not in done],
             "summary": [], "er_summary": summary, "figure": str(home_of(out) / "er_summary.png") if summary else "",
@@ -180,12 +184,15 @@ def finetune_markdown(result: dict) -> list[str]:
     from fastanchor.evaluation.er_summary import group_rows
 
     summary = result["er_summary"]
-    lines = ["| run | seed | final ID top-1 (%) | final OOD top-1 (%) | final ER (pp) | max ER over checkpoints (pp) | checkpoints |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"| run | seed | final ID top-1 (%) | final OOD top-1 (%) | final ER (pp) | max ER over checkpoints (pp) | "
+             f"checkpoints | before ID top-1 {EARLY_ID_TOP1:g}% | max ER before it (pp) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in sorted(result["runs"], key=lambda r: (r["arm"], r["seed"])):
         m = row["metrics"]
+        early = m.get("early_max_er")
         lines.append(f"| {row['run']} | {row['seed']} | {m['final_id_top1']:.2f} | {m['final_ood_top1']:.2f} | "
-                     f"{m['final_er']:+.2f} | {m['max_er']:+.2f} | {m['checkpoints']} |")
+                     f"{m['final_er']:+.2f} | {m['max_er']:+.2f} | {m['checkpoints']} | {m.get('early_checkpoints', '-')} | "
+                     + (f"{early:+.2f} |" if early is not None else "- |"))
     if not summary:
         return lines + ["", "Not binned yet (the analysis step has not run)."]
     lines += ["", "Binned as the paper (Appendix B.5):", "", *group_rows(summary)]

@@ -9,6 +9,7 @@ summary.json, and, for the ER experiments, against scipy's line fit and the ER f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -570,6 +571,10 @@ def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
             expected = 100 * (e["ood_clipped"] - inverse_logit(b["a"] * logit(e["id_clipped"]) + b["b"]))
             assert e["effective_robustness"] == pytest.approx(expected, abs=1e-9)
         assert runs[name]["metrics"]["final_er"] == pytest.approx(record["epochs"][-1]["effective_robustness"])
+        early = [e for e in itertools.takewhile(lambda e: e["id_top1"] < 95, record["epochs"])]  # the early window
+        assert runs[name]["metrics"]["early_checkpoints"] == len(early)
+        if early:
+            assert runs[name]["metrics"]["early_max_er"] == max(e["effective_robustness"] for e in early)
     summary = json.loads((out / "er" / "er_summary.json").read_text())
     assert set(summary["groups"]) == {"pretrained", "random init"}
     assert "| pretrained | 1 |" in (out / "er-finetune" / "result.md").read_text()
