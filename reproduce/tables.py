@@ -132,9 +132,10 @@ def trained_epochs(result: dict) -> dict[tuple, str]:
     epochs: dict[tuple, set] = {}
     kept: set[tuple] = set()
     for row in result.get("runs", []):
-        cell = epochs.setdefault(group_key(row), set())
-        cell.update([(row.get("training") or {}).get("epochs")] if (row.get("training") or {}).get("epochs") else [])
-        kept.update([group_key(row)] if "from_record" in row else [])
+        key, trained = group_key(row), (row.get("training") or {}).get("epochs")
+        epochs.setdefault(key, set()).update([trained] if trained else [])
+        if "from_record" in row:
+            kept.add(key)
     recorded = any(epochs.values())
     return {key: "/".join(map(str, sorted(found))) if found else "earlier" if recorded and key in kept else ""
             for key, found in epochs.items()}
