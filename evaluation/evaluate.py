@@ -255,6 +255,21 @@ def rejection_metrics(id_scores: np.ndarray, ood_scores_: np.ndarray, positive: 
             "fpr95": fpr_at_tpr(id_scores, ood_scores_, 0.95, positive=positive)}
 
 
+def averageable(aurocs: list[float]) -> bool:
+    """Whether a score's AUROCs (fractions) over OOD sets may be averaged: one set, or at or above chance on every
+    set (an inverted detector averaged with a working one is not a reading; reproduce/sft.py applies the same)."""
+    return len(aurocs) == 1 or min(aurocs) >= 0.5
+
+
+def over_sets(per_set: dict[str, dict], names: list[str]) -> dict:
+    """Each score's AUROC, AUPR and FPR95 averaged over the OOD sets (`auroc`: the mean AUROC; `mean`: all three),
+    None where `averageable` says no (the per-set values in `sets` are the reading then)."""
+    mean = {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
+                   for metric in ("auroc", "aupr", "fpr95")}
+            if averageable([s[name]["auroc"] for s in per_set.values()]) else None for name in names}
+    return {"auroc": {name: m and m["auroc"] for name, m in mean.items()}, "mean": mean}
+
+
 def mean_std(values) -> tuple[float | None, float | None]:
     """Mean and population standard deviation (ddof 0); None for no values."""
     if not values:
@@ -577,12 +592,9 @@ def anomaly_rejection(ev: Evaluator, oods: list[EvalSet], id_outputs: dict[str, 
         scores_from = "the model's logits"
     summary = {"convention": CONVENTIONS[positive], "positive": positive, "scores_from": scores_from,
                "protocol": ev.ood_name, "score_protocols": score_protocols,
-               "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
                "images": {"id": int(len(next(iter(id_scores.values())))),
                           **{name: int(len(next(iter(scores.values())))) for name, scores in values["ood"].items()}},
-               "over": list(per_set), "sets": per_set,
-               "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
-                               for metric in ("auroc", "aupr", "fpr95")} for name in names}}
+               "over": list(per_set), "sets": per_set, **over_sets(per_set, names)}
     if "react" in names:
         summary["react_threshold"] = tap.clip_at
     return summary, values, raw

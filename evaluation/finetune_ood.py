@@ -36,7 +36,7 @@ from fastanchor.trainer.build import eval_loader, loader_for, ood_sets, split_in
 from fastanchor.trainer.checkpoint.file import save_checkpoint
 from fastanchor.trainer.config import Config
 from fastanchor.evaluation.evaluate import (CONVENTIONS, accuracy, checkpoint_references, collect, ood_scores,
-                                                rejection_metrics)
+                                                over_sets, rejection_metrics)
 from fastanchor.trainer.finetune_ood import finetune, jigsaw_grids, loss_trace, norm_layer_counts, sft_regime
 from fastanchor.trainer.build import load_for_inference, resolve_device, seed_everything
 from fastanchor.trainer.checkpoint.run_folder import RunFolder
@@ -93,10 +93,7 @@ def safety_metrics(model, config: Config, state: dict, device: torch.device, *, 
             "id": {**accuracy(clean[1]), f"top1_k{k}": accuracy(clean[k])["top1"]},
             "ood": {"convention": CONVENTION, "positive": "id", "protocol": protocol,
                     "score_protocols": {name: (f"k{std_k}" if name == "anchored_std" else protocol) for name in names},
-                    "auroc": {name: float(np.mean([s[name]["auroc"] for s in per_set.values()])) for name in names},
-                    "over": list(per_set), "sets": per_set,
-                    "mean": {name: {metric: float(np.mean([s[name][metric] for s in per_set.values()]))
-                                    for metric in ("auroc", "aupr", "fpr95")} for name in names}}}
+                    "over": list(per_set), "sets": per_set, **over_sets(per_set, names)}}
 
 
 def summary_rows(before: dict, after: dict) -> list[tuple[str, float, float]]:

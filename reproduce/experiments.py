@@ -25,6 +25,7 @@ from fastanchor.reproduce.scales import Evaluation, Setup, setups
 from fastanchor.reproduce.sft import SFT_CONTROL, SFT_EXPERIMENTS
 from fastanchor.reproduce.sft_demo import SFT_DEMO
 from fastanchor.reproduce.steps import Evaluate, Link, Train
+from fastanchor.trainer.config import load_config
 
 ARMS = ("standard", "anchored", "masking")
 ARM_LABELS = {"standard": "Standard", "anchored": "Anchored (alpha 0)", "masking": "Masking (proposed)"}
@@ -101,7 +102,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         reference_set, arm_values=lambda arm, values: (None,) if arm == "standard" else values,
         setups={"cifar": ("cifar10_resnet18", "cifar100_resnet18"), "small": ("demo", "hard", "demo_resnet18")},
         setup_values={"demo_resnet18": (50, WHOLE), "gpu": (50, WHOLE)}, scales=(*PAPER_SCALES, "gpu"),
-        arm_trained_by={"standard": "tab1"}),
+        shares_training="tab1"),
     Experiment(
         "fig2", "inference protocols: 1 reference, K = 10 and BLT, accuracy and time per 1000 images",
         "Figure 2", "", {"default": (None,)}, ("anchored", "masking"), 2, 12,
@@ -145,20 +146,20 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         {"tiny": (0.0, 1.0), "small": (0.0, 0.25, 0.5, 1.0, ALPHA_ONE_LABELLED), "default": (0.0, 0.25, 0.5, 0.75, 1.0)},
         ("masking",), 3, SMALL_EPOCHS,
         {"default": CORRUPTION_C}, View(("id_top1", "c_mean"), "curve", ("id_top1", "c_mean"), "top-1 (%)"), alpha,
-        setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}),
+        setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}, shares_training="tab1"),
     Experiment(
         "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
         "Figure 5a", "augmentation",
         {"tiny": ("geometric", "augmix", "pixmix"), "small": ("geometric", "trivialaugment", "pixmix"),
          "default": tuple(AUGMENTATIONS)}, ARMS, 3, SMALL_EPOCHS,
         {"default": SEVERITY_5}, View(("c_sev5", "id_top1"), "bars_values", ("c_sev5",), "corruption top-1 at severity 5 (%)"),
-        augmentation, setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}),
+        augmentation, setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}, shares_training="tab1"),
     Experiment(
         "fig5b", "training label noise l in {0.5, 1, 2, 5, 10, 15, 20}% x the three arms", "Figure 5b",
         "label noise (%)", {"tiny": (0, 20), "small": (0, 5, 20), "default": (0, 0.5, 1, 2, 5, 10, 15, 20)}, ARMS, 3,
         SMALL_EPOCHS, {"default": CORRUPTION_C},
         View(("c_mean", "id_top1"), "curve", ("c_mean",), "mean corruption top-1 over severities (%)"), label_noise,
-        setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}),
+        setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}, shares_training="tab1"),
     *SFT_EXPERIMENTS,
     SFT_CONTROL,
     SFT_DEMO,
@@ -187,10 +188,10 @@ def value_slug(value) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]", "_", str(value))
 
 
-def trained_elsewhere(run: Run, trainer: str, out: str) -> tuple[Train, Link, Evaluate]:
-    """The steps of a run whose model `trainer`'s run of the same name trains: that training (shared: whichever
+def trained_elsewhere(run: Run, trainer: str, trained_name: str, out: str) -> tuple[Train, Link, Evaluate]:
+    """The steps of a run whose model `trainer`'s run `trained_name` trains: that training (shared: whichever
     experiment runs first trains it), its final.pt hard-linked into this run's folder, the evaluation there."""
-    trained, here = Path(out) / trainer / run.name / "final.pt", run.folder(out) / "final.pt"
+    trained, here = Path(out) / trainer / trained_name / "final.pt", run.folder(out) / "final.pt"
     return (Train(str(trained), recipe=run.recipe, overrides=run.train), Link(str(here), checkpoint=str(trained)),
             Evaluate(str(here.with_name("eval.json")), checkpoint=str(here), overrides=run.evaluate))
 
@@ -229,27 +230,32 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                     run_name = "-".join(parts)
                     trainer = EXPERIMENTS[experiment.trained_by] if experiment.trained_by else experiment
 
-                    def training(by: Experiment) -> list[str]:
+                    def training(by: Experiment, name: str, value=value) -> list[str]:
                         train = [*setup.train, *arm_sets, *by.overrides(setup, arm, value)]
                         if setup.epochs or setup.small_epochs:
                             train.append(f"train.epochs={setup.epochs or by.small_epochs}")
                         return train + [f"train.seed={seed}", f"train.out_dir={Path(out) / by.name}",
-                                        f"train.run_name={run_name}", f"train.device={device}",
+                                        f"train.run_name={name}", f"train.device={device}",
                                         f"train.progress={str(progress).lower()}"]
 
-                    train = training(trainer)
-                    shared = EXPERIMENTS[experiment.arm_trained_by[arm]] if arm in experiment.arm_trained_by else None
-                    if shared is not None and same_training(theirs := training(shared), train):
-                        trainer, train = shared, theirs
+                    train, trained_name = training(trainer, run_name), run_name
+                    if experiment.shares_training and trainer is experiment:
+                        shared, shared_name = EXPERIMENTS[experiment.shares_training], f"{setup.name}-{arm}-s{seed}"
+                        theirs = training(shared, shared_name, None)
+                        if same_training(recipe, theirs, train):
+                            trainer, train, trained_name = shared, theirs, shared_name
                     evaluate = [*setup.evaluation(ev), f"eval.seed={seed}"]
                     run = Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train), tuple(evaluate))
-                    runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, out)) if trainer is not experiment
-                                else run)
+                    runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, trained_name, out))
+                                if trainer is not experiment else run)
     return runs, notes
 
 
-def same_training(a: list[str], b: list[str]) -> bool:
-    """Whether two runs' train overrides train the same model (they differ at most in the folder they write)."""
-    def kept(overrides: list[str]) -> list[str]:
-        return [o for o in overrides if not o.startswith("train.out_dir=")]
-    return kept(a) == kept(b)
+def same_training(recipe: str, a: list[str], b: list[str]) -> bool:
+    """Whether two runs' train overrides on `recipe` train the same model: their resolved configs are equal apart
+    from the folder and run name they write (so `anchor.alpha=0.25` on a recipe whose alpha is 0.25 changes nothing)."""
+    def resolved(overrides: list[str]):
+        config = load_config(recipe, overrides)
+        config.train.out_dir, config.train.run_name = "", ""
+        return config
+    return resolved(a) == resolved(b)

@@ -7,8 +7,10 @@ What is read from each run's eval.json (metric keys, shared with paper_numbers/*
   c_top1_k, c_top1_blt                  mean C top-1 by K references and by BLT (where eval.json has them per set)
   <set>_top1                            top-1 of another shift set (imagenet-r, sketch)
   smece_mean, smece_std                 smoothed ECE across the shift sets
-  auroc_<score>, auroc_<score>_<set>    anomaly-rejection AUROC (%) per score: mean over OOD sets, and per set
-  auroc_energy_vision_ood               mean energy AUROC over iSUN, Textures and Places365 (the paper's "Vision OOD")
+  auroc_<score>, auroc_<score>_<set>    anomaly-rejection AUROC (%) per score: mean over OOD sets (absent where
+                                        evaluation.evaluate.averageable says no), and per set
+  auroc_energy_vision_ood               mean energy AUROC over iSUN, Textures and Places365 (the paper's "Vision OOD";
+                                        absent where not averageable)
   shortcut_<k>, c_shortcut_<k>          the shortcut probe (top1_anchored, top1_swapped, top1_masked, unchanged_by_swap)
                                         on the ID split, and its mean over the corruption sets
   ms_one, ms_k, ms_blt                  ms per 1000 ID images of each protocol
@@ -22,6 +24,8 @@ from __future__ import annotations
 import re
 
 import numpy as np
+
+from fastanchor.evaluation.evaluate import averageable
 
 VISION_OOD = ("iSUN", "Textures", "Places365")
 
@@ -74,13 +78,17 @@ def metrics_of(result: dict) -> dict[str, float]:
             m[key] = calibration[key]
     ood = result.get("ood")
     if ood:
-        for score, value in ood.get("auroc", {}).items():
-            m[f"auroc_{score}"] = 100.0 * value
-        for name, per_score in ood.get("sets", {}).items():
+        sets = ood.get("sets", {})
+        for name, per_score in sets.items():
             for score, values in per_score.items():
                 m[f"auroc_{score}_{name}"] = 100.0 * values["auroc"]
+        # the mean over sets drawn here from the sets (an eval.json written before evaluate.over_sets kept every mean)
+        for score, value in ood.get("auroc", {}).items():
+            aurocs = [per[score]["auroc"] for per in sets.values() if score in per] or [value]
+            if averageable(aurocs):
+                m[f"auroc_{score}"] = 100.0 * float(np.mean(aurocs))
         vision = [m.get(f"auroc_energy_{name}") for name in VISION_OOD]
-        if all(v is not None for v in vision):
+        if all(v is not None for v in vision) and averageable([v / 100 for v in vision]):
             m["auroc_energy_vision_ood"] = float(np.mean(vision))
     for key, value in shortcut_metrics(result.get("shortcut", {}), result.get("shifts", {})).items():
         m[key] = value

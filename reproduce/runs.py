@@ -115,9 +115,10 @@ class Experiment:
     # epochs, so each model is trained once, in that experiment's folder, and hard-linked into this one's
     trained_by: str = ""
     setup_values: dict[str, tuple] = field(default_factory=dict)  # a setup that runs fewer values than `values` says
-    # arm -> the experiment whose run of the same name trains it, where the two trainings are the same (fig1's
-    # standard level line is tab1's standard arm); a training that differs is this experiment's own
-    arm_trained_by: dict[str, str] = field(default_factory=dict)
+    # the experiment whose run of the same setup, arm and seed trains a run of this one wherever the two trainings
+    # are the same (fig1's standard level line, fig5's unaugmented and noiseless cells, tab4's alpha 0.25 are tab1's
+    # runs); a training that differs is this experiment's own
+    shares_training: str = ""
 
     def values_at(self, scale: str) -> tuple:
         return self.values.get(scale, self.values["default"])

@@ -75,12 +75,13 @@ def markdown(result: dict, view: View) -> str:
                      f"is below chance ({CHANCE_AUROC:g}) on one of them in a seed: an inverted detector averaged with a "
                      "working one is not a reading")
     schedules = trained_epochs(result)
-    if any(schedules.values()):
+    has_epochs = any(schedules.values())
+    if has_epochs:
         lines.append("- epochs: each row's training epochs, as recorded with its runs; 'earlier': a cell kept from an "
                      "earlier record that did not record them (its command in result.json), at that record's "
                      "schedule: compare it with its own record's rows, not with these")
     lines.append("")
-    head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"] + (["epochs"] if any(schedules.values()) else [])
+    head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"] + (["epochs"] if has_epochs else [])
     body = []
     for metric in columns:
         head.append(label(metric))
@@ -89,7 +90,7 @@ def markdown(result: dict, view: View) -> str:
     for g in sorted(result["summary"], key=lambda g: (g["setup"], arm_rank(g["arm"]), value_order(g["value"]))):
         cells = [g["setup"] + (f" (paper: {g['paper_setup']})" if g["paper"] else ""), arm_label(g["arm"])]
         cells += ([str(g["value"]) if g["value"] is not None else "-"] if axis else []) + [str(len(g["seeds"]))]
-        cells += [schedules[group_key(g)] or "-"] if any(schedules.values()) else []
+        cells += [schedules[group_key(g)] or "-"] if has_epochs else []
         for metric in columns:
             cells.append(fmt(g["metrics"].get(metric), 3 if metric.startswith(("smece", "ood_loss")) else 2))
             if any(metric in h["paper"] for h in result["summary"]):

@@ -206,7 +206,8 @@ def test_every_ood_set_is_evaluated_before_and_after_and_the_losses_are_logged(r
         ood = summary[when]["ood"]
         assert ood["over"] == list(ood["sets"]) == ["ood", "ood_textures", "again"]
         assert ood["sets"]["again"] == ood["sets"]["ood"]
-        assert ood["auroc"]["energy"] == pytest.approx(np.mean([s["energy"]["auroc"] for s in ood["sets"].values()]))
+        aurocs = [s["energy"]["auroc"] for s in ood["sets"].values()]  # averaged only if none is below chance
+        assert ood["auroc"]["energy"] == (pytest.approx(np.mean(aurocs)) if min(aurocs) >= 0.5 else None)
     assert "| AUROC, energy on ood_textures (%) |" in (tmp_path / "sft" / "summary.md").read_text()
 
     evaluated = run_main("evaluate", "--checkpoint", checkpoint, "--set", "eval.plots=false", *sets)

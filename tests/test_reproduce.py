@@ -82,17 +82,16 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
     assert len(commands) == len(runs) and len(runs) >= 2
     assert not out.exists()  # a dry run writes nothing
     seeds_seen = set()
-    for train, evaluate in commands:
+    for (train, evaluate), run in zip(commands, runs):
         assert train[:3] == ["fastanchor", "train", "--config"] and train[4:6] == ["--resume", "auto"]
         assert evaluate[:3] == ["fastanchor", "evaluate", "--checkpoint"]
         overrides = sets(train) + sets(evaluate)
         values = dict(o.split("=", 1) for o in overrides)
-        assert Path(evaluate[3]) == out / experiment / values["train.run_name"] / "final.pt"
+        assert Path(evaluate[3]) == out / experiment / run.name / "final.pt"
         # (tab3 evaluates tab1's models: they are trained in tab1's folder; so is fig1's standard level line)
         e = EXPERIMENTS[experiment]
         assert values["train.out_dir"] in {str(out / (e.trained_by or experiment)),
-                                           *(str(out / e.arm_trained_by[a]) for a in e.arm_trained_by
-                                             if f"-{a}-" in values["train.run_name"])}
+                                           *([str(out / e.shares_training)] if e.shares_training else [])}
         seeds_seen.add(int(values["train.seed"]))
         config = load_config(train[3], overrides)  # raises on anything that does not parse
         assert config.train.epochs >= 100  # the paper's schedules, not a shortened one
@@ -100,19 +99,25 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
     assert seeds_seen == set(range(EXPERIMENTS[experiment].seeds))
 
 
-def test_fig1s_standard_line_is_tab1s_standard_arm_where_the_training_is_the_same(tmp_path):
-    """fig1's standard runs train in tab1's folder (arm_trained_by) and are hard-linked into fig1's, so a sweep of both
-    trains each standard model once; a run whose training would differ (another epoch count) trains its own."""
+def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path):
+    """fig1's standard runs, fig5a's geometric cells, fig5b's noiseless cells and tab4's alpha 0.25 train in tab1's
+    folder (shares_training) and are hard-linked into their own, so a sweep of both trains each model once; a run
+    whose resolved training differs (another |R|, alpha, noise or epoch count) trains its own."""
     out = str(tmp_path / "out")
-    runs, _ = plan(EXPERIMENTS["fig1"], "small", "", out, only_setups=("hard",))
-    standard = [r for r in runs if r.arm == "standard"]
-    assert standard and all(Path(r.all_steps(out)[0].output).parent.parent == Path(out) / "tab1" for r in standard)
-    tab1, _ = plan(EXPERIMENTS["tab1"], "small", "", out, only_setups=("hard",))
-    assert {r.name: r.train for r in standard} == {r.name: r.train for r in tab1 if r.arm == "standard"}
-    anchored = [r for r in runs if r.arm != "standard"]
-    assert all(Path(r.all_steps(out)[0].output).parent.parent == Path(out) / "fig1" for r in anchored)
-    assert not same_training(["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
-    assert same_training(["train.epochs=60", "train.out_dir=a"], ["train.epochs=60", "train.out_dir=b"])
+    tab1 = {r.name: r.train for r in plan(EXPERIMENTS["tab1"], "small", "", out, only_setups=("hard",))[0]}
+    shared = {"fig1": lambda r: r.arm == "standard", "fig5a": lambda r: r.value == "geometric",
+              "fig5b": lambda r: r.value == 0, "tab4": lambda r: r.value == 0.25}
+    for experiment, is_tab1s in shared.items():
+        runs, _ = plan(EXPERIMENTS[experiment], "small", "", out, only_setups=("hard",))
+        assert any(map(is_tab1s, runs)) and not all(map(is_tab1s, runs))
+        for run in runs:
+            trained = Path(run.all_steps(out)[0].output).parent
+            assert trained.parent == Path(out) / ("tab1" if is_tab1s(run) else experiment), (experiment, run.name)
+            if is_tab1s(run):
+                assert run.train == tab1[trained.name] and trained.name == f"hard-{run.arm}-s{run.seed}"
+    recipe = "configs/demo.yaml"
+    assert same_training(recipe, ["anchor.alpha=0.25", "train.out_dir=a"], ["train.out_dir=b", "train.run_name=x"])
+    assert not same_training(recipe, ["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
 
 
 def test_set_reaches_every_step_of_every_run_and_only_what_each_takes(tmp_path):
@@ -333,7 +338,8 @@ def test_a_half_trained_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
 
 def test_metrics_of_a_hand_made_evaluation():
     """Every key of the aggregation from a hand-written eval.json: per-severity means per benchmark (C and
-    C-bar apart), the per-protocol block, OOD AUROC in percent and the paper's Vision OOD mean."""
+    C-bar apart), the per-protocol block, OOD AUROC in percent and the paper's Vision OOD mean (neither mean over
+    sets where one set's AUROC is below chance)."""
     from fastanchor.reproduce.extract import metrics_of
 
     result = {
@@ -353,8 +359,12 @@ def test_metrics_of_a_hand_made_evaluation():
         "id_top1": 90.0, "id_top1_k": 91.0, "id_top1_blt": 89.0, "ms_one": 2.0, "ms_k": 20.0, "ms_blt": 40.0,
         "c_sev1": 80.0, "c_sev5": 40.0, "c_mean": 60.0, "cbar_sev1": 70.0, "cbar_sev5": 50.0, "cbar_mean": 60.0,
         "c_top1_k": 63.0, "ms_k_pooled": 25.0, "ms_blt_pooled": 45.0, "sketch_top1": 30.0, "smece_mean": 0.1,
-        "smece_std": 0.02, "auroc_energy": 80.0, "auroc_energy_iSUN": 70.0, "auroc_energy_Textures": 80.0,
+        "smece_std": 0.02, "auroc_energy": 75.0, "auroc_energy_iSUN": 70.0, "auroc_energy_Textures": 80.0,
         "auroc_energy_Places365": 90.0, "auroc_energy_NINCO": 60.0, "auroc_energy_vision_ood": 80.0})
+    result["ood"]["sets"]["Textures"]["energy"]["auroc"] = 0.3  # inverted there, working on the other sets
+    m = metrics_of(result)
+    assert m["auroc_energy_Textures"] == pytest.approx(30.0)
+    assert "auroc_energy" not in m and "auroc_energy_vision_ood" not in m
 
 
 def test_dry_run_reads_the_pre_generated_sets_that_are_there(tmp_path):
