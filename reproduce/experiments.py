@@ -219,7 +219,7 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
         setup = found[name]
         notes += [n for n in setup.notes_for(ev) if n not in notes]
         for arm in experiment.arms:
-            recipe, arm_sets = arm_overrides(setup, arm)
+            recipe = arm_overrides(setup, arm)[0]
             values = experiment.setup_values.get(name, experiment.values_at(scale))
             for value in experiment.arm_values(arm, values):
                 if only_values and value is not None and value_slug(value) not in only_values:
@@ -230,8 +230,8 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                     run_name = "-".join(parts)
                     trainer = EXPERIMENTS[experiment.trained_by] if experiment.trained_by else experiment
 
-                    def training(by: Experiment, name: str, value=value) -> list[str]:
-                        train = [*setup.train, *arm_sets, *by.overrides(setup, arm, value)]
+                    def training(by: Experiment, name: str, arm=arm, value=value) -> list[str]:
+                        train = [*setup.train, *arm_overrides(setup, arm)[1], *by.overrides(setup, arm, value)]
                         if setup.epochs or setup.small_epochs:
                             train.append(f"train.epochs={setup.epochs or by.small_epochs}")
                         return train + [f"train.seed={seed}", f"train.out_dir={Path(out) / by.name}",
@@ -239,11 +239,13 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                                         f"train.progress={str(progress).lower()}"]
 
                     train, trained_name = training(trainer, run_name), run_name
-                    if experiment.shares_training and trainer is experiment:
-                        shared, shared_name = EXPERIMENTS[experiment.shares_training], f"{setup.name}-{arm}-s{seed}"
-                        theirs = training(shared, shared_name, None)
-                        if same_training(recipe, theirs, train):
-                            trainer, train, trained_name = shared, theirs, shared_name
+                    shared = EXPERIMENTS.get(experiment.shares_training) if trainer is experiment else None
+                    for their_arm in shared.arms if shared else ():  # tab4's alpha 0 is tab1's anchored arm
+                        their_name = f"{setup.name}-{their_arm}-s{seed}"
+                        theirs = training(shared, their_name, their_arm, None)
+                        if arm_overrides(setup, their_arm)[0] == recipe and same_training(recipe, theirs, train):
+                            trainer, train, trained_name = shared, theirs, their_name
+                            break
                     evaluate = [*setup.evaluation(ev), f"eval.seed={seed}"]
                     run = Run(experiment.name, run_name, setup.name, arm, value, seed, recipe, tuple(train), tuple(evaluate))
                     runs.append(replace(run, steps=trained_elsewhere(run, trainer.name, trained_name, out))
@@ -253,9 +255,11 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
 
 def same_training(recipe: str, a: list[str], b: list[str]) -> bool:
     """Whether two runs' train overrides on `recipe` train the same model: their resolved configs are equal apart
-    from the folder and run name they write (so `anchor.alpha=0.25` on a recipe whose alpha is 0.25 changes nothing)."""
+    from the folder and run name they write, with train.equal_labelled_steps read as the epochs it trains (so
+    `anchor.alpha=0.25` on a recipe whose alpha is 0.25 changes nothing, nor equal labelled steps at alpha 0)."""
     def resolved(overrides: list[str]):
         config = load_config(recipe, overrides)
         config.train.out_dir, config.train.run_name = "", ""
+        config.train.epochs, config.train.equal_labelled_steps = config.epochs_to_train, False
         return config
     return resolved(a) == resolved(b)

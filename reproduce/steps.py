@@ -1,7 +1,8 @@
 """The step kinds of a sweep: each is one dataclass carrying everything about it, and `STEP_KINDS` their table.
 
-A step is an ordinary fastanchor command with the file (or folder) whose presence says it is done: the sweep
-(sweep.py) runs every step whose output is missing, in order, and skips the others. Each kind says
+A step is an ordinary fastanchor command with the file (or folder) whose presence says it is done (a training's
+final.pt also by the config that trained it: Train.done): the sweep (sweep.py) runs every step not done, in order,
+and skips the others. Each kind says
 
     kind      its name (the table's key)
     line()    its command line (`fastanchor ...`, or `python -c ...` for a step without a command of its own),
@@ -65,6 +66,26 @@ class Train(Step):
 
     kind, label, counted = "train", "training", "trained"
 
+    def done(self) -> bool:
+        """final.pt is there and this step's config trained it. Another epoch count: not done (`--resume auto` extends
+        or shortens the run); any other training option that differs: the ConfigError a resume gives, so that a
+        shared or earlier run is never taken for this one silently."""
+        import yaml
+
+        from fastanchor.trainer.checkpoint.resume import check_same_run
+        from fastanchor.trainer.checkpoint.run_folder import RunFolder
+        from fastanchor.trainer.config import load_config
+
+        final = Path(self.output)
+        if not final.exists():
+            return False
+        config, trained = load_config(self.recipe, self.overrides), RunFolder(final.parent).config
+        if not trained.exists():  # a run folder written before config.yaml was
+            return True
+        trained_config = yaml.safe_load(trained.read_text())
+        check_same_run(trained_config, config, final)
+        return trained_config["train"]["epochs"] == config.train.epochs
+
     def line(self, device: str) -> str:
         return shlex.join(["fastanchor", "train", "--config", self.recipe, "--resume", "auto", *sets(self.overrides)])
 
@@ -84,6 +105,11 @@ class Evaluate(Step):
 
     kind, label, counted = "evaluate", "evaluating", "evaluated"
     takes = FROM_CHECKPOINT
+
+    def done(self) -> bool:
+        """eval.json is there and newer than the checkpoint it evaluates (a run extended since is evaluated again)."""
+        output, checkpoint = Path(self.output), Path(self.checkpoint)
+        return output.exists() and not (checkpoint.exists() and checkpoint.stat().st_mtime_ns > output.stat().st_mtime_ns)
 
     def line(self, device: str) -> str:
         return shlex.join(["fastanchor", "evaluate", "--checkpoint", self.checkpoint, "--device", device,

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from conftest import TINY_SPEC, run_cli, run_main
+from fastanchor.errors import ConfigError
 from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
 from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan, same_training
 from fastanchor.reproduce.record import readme, regenerate
@@ -100,24 +101,26 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
 
 
 def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path):
-    """fig1's standard runs, fig5a's geometric cells, fig5b's noiseless cells and tab4's alpha 0.25 train in tab1's
+    """fig1's standard runs, fig5a's geometric cells, fig5b's noiseless cells and tab4's alpha 0 and 0.25 train in tab1's
     folder (shares_training) and are hard-linked into their own, so a sweep of both trains each model once; a run
     whose resolved training differs (another |R|, alpha, noise or epoch count) trains its own."""
     out = str(tmp_path / "out")
     tab1 = {r.name: r.train for r in plan(EXPERIMENTS["tab1"], "small", "", out, only_setups=("hard",))[0]}
     shared = {"fig1": lambda r: r.arm == "standard", "fig5a": lambda r: r.value == "geometric",
-              "fig5b": lambda r: r.value == 0, "tab4": lambda r: r.value == 0.25}
+              "fig5b": lambda r: r.value == 0, "tab4": lambda r: r.value in (0.0, 0.25)}
     for experiment, is_tab1s in shared.items():
         runs, _ = plan(EXPERIMENTS[experiment], "small", "", out, only_setups=("hard",))
         assert any(map(is_tab1s, runs)) and not all(map(is_tab1s, runs))
         for run in runs:
             trained = Path(run.all_steps(out)[0].output).parent
             assert trained.parent == Path(out) / ("tab1" if is_tab1s(run) else experiment), (experiment, run.name)
-            if is_tab1s(run):
-                assert run.train == tab1[trained.name] and trained.name == f"hard-{run.arm}-s{run.seed}"
+            if is_tab1s(run):  # tab4's alpha 0 is tab1's anchored arm (equal labelled steps change nothing there)
+                arm = "anchored" if (experiment, run.value) == ("tab4", 0.0) else run.arm
+                assert run.train == tab1[trained.name] and trained.name == f"hard-{arm}-s{run.seed}"
     recipe = "configs/demo.yaml"
     assert same_training(recipe, ["anchor.alpha=0.25", "train.out_dir=a"], ["train.out_dir=b", "train.run_name=x"])
     assert not same_training(recipe, ["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
+    assert same_training(recipe, ["train.epochs=40"], ["train.epochs=30", "train.equal_labelled_steps=true"])
 
 
 def test_set_reaches_every_step_of_every_run_and_only_what_each_takes(tmp_path):
@@ -319,10 +322,13 @@ def test_a_stopped_sweep_goes_on_where_it_stopped(tiny_dataset, tmp_path):
 
 def test_a_half_trained_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
     """A run killed after its first of two epochs (its newest checkpoint and final.pt gone) resumes through the
-    trainer's --resume auto: the first epoch's checkpoint is kept, the run ends with final.pt and eval.json."""
+    trainer's --resume auto: the first epoch's checkpoint is kept, the run ends with final.pt and eval.json. A
+    finished run is skipped only for the config that trained it: another epoch count extends and re-evaluates it,
+    another training option is refused."""
     out = tmp_path / "out"
-    runs, _ = plan(EXPERIMENTS["tab4"], "tiny", str(tiny_dataset), str(out), device="cpu", progress=False)
-    run = dataclasses.replace(runs[0], train=runs[0].train + ("train.epochs=2",))
+    runs, _ = plan(EXPERIMENTS["tab1"], "tiny", str(tiny_dataset), str(out), device="cpu", progress=False)
+    anchored = next(r for r in runs if r.arm == "anchored")
+    run = dataclasses.replace(anchored, train=anchored.train + ("train.epochs=2",))
     execute([run], out, "cpu", progress=False)
     folder = run.folder(out)
     first, last = folder / "checkpoints" / "epoch_001.pt", folder / "checkpoints" / "epoch_002.pt"
@@ -334,6 +340,15 @@ def test_a_half_trained_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
     assert first.stat().st_mtime_ns == stamp and last.exists()
     assert (folder / "final.pt").resolve() == last.resolve() and (folder / "eval.json").is_file()
     assert execute([run], out, "cpu", progress=False) == {"skipped": 1, "trained": 0, "evaluated": 0}
+
+    # a finished run is this run's only if its config trained it: another option is refused, not taken for it
+    other = dataclasses.replace(run, train=run.train + ("anchor.alpha=0.5",))
+    with pytest.raises(ConfigError, match=r"anchor.alpha = 0.5 differs from 0.0"):
+        execute([other], out, "cpu", progress=False)
+    longer = dataclasses.replace(run, train=run.train + ("train.epochs=3",))  # another length: extended, evaluated again
+    assert execute([longer], out, "cpu", progress=False) == {"skipped": 0, "trained": 1, "evaluated": 1}
+    assert (folder / "final.pt").resolve() == (folder / "checkpoints" / "epoch_003.pt").resolve()
+    assert json.loads((folder / "eval.json").read_text())["epoch"] == 3
 
 
 def test_metrics_of_a_hand_made_evaluation():
