@@ -28,6 +28,7 @@
 #   shortcut-hard    fig1's models, evaluation  about 10 min
 #   tab4-hard        alpha 0.5, 1 and 1 with the label target: 9 runs (alpha 0 and 0.25 are tab1's anchored and
 #                    masking runs)   about 100 min
+#   tab4-demo        the same on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 9 runs   about 45 min
 #   er               the testbed, then the fine-tunes with the dense early checkpoints   about 60 min
 #   fig5-demo        fig5a and fig5b at three values each on demo, seeds 3-5: 36 runs (geometric and 0% noise are
 #                    tab1's)   about 2 hours (trivialaugment decodes JPEGs each epoch: the memory loader has no
@@ -53,7 +54,8 @@ run() {  # stage name, then the reproduce arguments
 }
 
 stage=${1:-all}
-stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard er fig5-demo "
+stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard tab4-demo er "
+stages+="fig5-demo "
 stages+="tab1-r18 tab3-r18 fig1-r18 shortcut-r18 fig1-demo-rest shortcut-demo-rest fig5-hard "
 [[ $stages == *" $stage "* ]] || { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages)" >&2; exit 2; }
 want() { [[ $stage == all || $stage == "$1" ]]; }
@@ -66,6 +68,7 @@ want shortcut-demo && run shortcut-demo shortcut --setups demo --values 50,whole
 want fig1-hard && run fig1-hard fig1 --setups hard --values 50,whole
 want shortcut-hard && run shortcut-hard shortcut --setups hard --values 50,whole
 want tab4-hard && run tab4-hard tab4 --setups hard
+want tab4-demo && run tab4-demo tab4 --setups demo --first-seed 3
 want er && run er-testbed er-testbed && run er-finetune er-finetune
 want fig5-demo && run fig5a-demo fig5a --setups demo --first-seed 3 && run fig5b-demo fig5b --setups demo --first-seed 3
 want tab1-r18 && run tab1-r18 tab1 --setups demo_resnet18
