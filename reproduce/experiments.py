@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastanchor.errors import ConfigError
+from fastanchor.pipeline.loaders.registry import entry as loader_entry
 from fastanchor.reproduce.er import ER_EXPERIMENTS
 from fastanchor.reproduce.fidelity import FIDELITY
 from fastanchor.reproduce.runs import PAPER_SCALES, Experiment, Run, View
@@ -77,8 +78,10 @@ AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; 
 
 
 def augmentation(setup: Setup, arm: str, value) -> list[str]:
-    per_image = value in ("randaugment", "trivialaugment")  # FFCV and the memory loader have no per-image policies
-    return AUGMENTATIONS[value] + (["data.loader=torchvision"] if per_image else [])
+    """Figure 5a's augmentation, on the torchvision loader where the setup's loader has no per-image policies (FFCV)."""
+    policy = dict(o.split("=", 1) for o in AUGMENTATIONS[value])["augment.auto_augment"]
+    loader = load_config(arm_overrides(setup, arm)[0], setup.train).data.loader
+    return AUGMENTATIONS[value] + (["data.loader=torchvision"] if policy not in loader_entry(loader).policies() else [])
 
 
 def label_noise(setup: Setup, arm: str, value) -> list[str]:

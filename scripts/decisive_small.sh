@@ -31,8 +31,8 @@
 #   tab4-demo        the same on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 9 runs   about 45 min
 #   er               the testbed, then the fine-tunes with the dense early checkpoints   about 60 min
 #   fig5-demo        fig5a and fig5b at three values each on demo, seeds 3-5: 36 runs (geometric and 0% noise are
-#                    tab1's)   about 2 hours (trivialaugment decodes JPEGs each epoch: the memory loader has no
-#                    per-image policies)
+#                    tab1's)   about 2 hours (the memory loader applies TrivialAugment per image: about 1 s an
+#                    epoch more on hard)
 #   tab1-r18         tab1 on demo_resnet18 (the CIFAR ResNet-18, bf16 on the CPU's AMX: about 160 img/s,
 #                    16 min a 30-epoch run): 9 runs   about 3 hours
 #   tab3-r18         tab1's models, evaluation  about 5 min

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from fastanchor.errors import ConfigError, DataError
@@ -77,7 +78,7 @@ def test_padded_crops_are_the_drawn_windows_of_the_zero_framed_images_and_their_
     framed = F.pad(sources(train_copy), (4, 4, 4, 4))
     images, labels = epoch(loader, 2)
     order = loader.shard()
-    (crops, flips) = loader.augmentation()
+    crops, flips, _ = loader.augmentation()
     assert labels.tolist() == [train_copy.samples[i][1] for i in order.tolist()]
     for image, sample in zip(images, order.tolist()):
         top, left = crops[sample].tolist()
@@ -86,7 +87,7 @@ def test_padded_crops_are_the_drawn_windows_of_the_zero_framed_images_and_their_
     offsets, coins = [], []
     for number in range(200):
         loader.set_epoch(number)
-        crops, flips = loader.augmentation()
+        crops, flips, _ = loader.augmentation()
         offsets.append(crops)
         coins.append(flips)
     offsets, coins = torch.cat(offsets), torch.cat(coins)  # 9,600 draws of each
@@ -150,11 +151,8 @@ def test_the_decoded_split_is_cached_by_its_file_list_and_a_changed_or_torn_cach
 
 
 def test_what_it_cannot_do_is_refused_in_one_line(train_copy, tmp_path):
-    """Per-image policies (at config time, as for every loader), a split over the memory allowed (before decoding,
-    naming the size), images of more than one size, a padded crop larger than the framed image."""
-    with pytest.raises(ConfigError, match="^augment.auto_augment = 'randaugment' is not supported by data.loader = "
-                                          "'memory': the memory loader crops and flips only"):
-        load_config(None, ["data.loader=memory", "augment.auto_augment=randaugment"])
+    """A split over the memory allowed (before decoding, naming the size), images of more than one size, a padded
+    crop larger than the framed image."""
     with pytest.raises(ConfigError) as caught:
         memory.MemoryLoader(train_copy, spec(), limit=100_000)
     message = str(caught.value)
@@ -168,6 +166,33 @@ def test_what_it_cannot_do_is_refused_in_one_line(train_copy, tmp_path):
     with pytest.raises(DataError, match=r"is 32 x 20 px, the split's first .* 32 x 32 px: data.loader=memory expects "
                                         r"images of one size"):
         memory.MemoryLoader(train_copy, spec())
+
+
+@pytest.mark.parametrize("policy", ["trivialaugment_wide", "randaugment"])
+def test_a_per_image_policy_is_torchvisions_on_each_cropped_image_from_its_samples_seed(train_copy, policy):
+    """With augment.auto_augment each image is torchvision's policy applied to the crop and flip it gets without one
+    (an independent reference: the transform called on that crop with torch's generator seeded by the sample's
+    seed); crops, flips and order do not move; a resumed epoch (iter_from) and a shard give the same images."""
+    assert policy in registry.entry("memory").policies()
+    load_config(None, ["data.loader=memory", f"augment.auto_augment={policy}"])  # accepted at config time
+    plain = registry.make("memory", train_copy, spec(batch_size=8))
+    with_policy = registry.make("memory", train_copy, spec(batch_size=8, policy=policy))
+    images, labels = epoch(with_policy, 3)
+    cropped, plain_labels = epoch(plain, 3)
+    assert torch.equal(labels, plain_labels) and images.is_contiguous(memory_format=torch.channels_last)
+    _, _, seeds = with_policy.augmentation()
+    reference = {"trivialaugment_wide": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}[policy]()
+    changed = 0
+    for image, crop, sample in zip(images, cropped, with_policy.shard().tolist()):
+        torch.manual_seed(int(seeds[sample]))
+        expected = reference(crop)
+        assert torch.equal(image, expected)
+        changed += not torch.equal(image, crop)
+    assert changed > len(images) // 2  # the policy did something to most images
+    resumed = torch.cat([batch for batch, _ in with_policy.iter_from(2)])
+    assert torch.equal(resumed, images[16:])
+    part = registry.make("memory", train_copy, spec(batch_size=4, rank=1, world_size=2, policy=policy))
+    assert torch.equal(epoch(part, 3)[0], images[1::2])
 
 
 def test_sharded_epochs_cover_the_epoch_and_each_sample_keeps_its_crop(train_copy):
@@ -194,13 +219,18 @@ def test_a_training_run_through_it_killed_mid_epoch_resumes_bitwise(tiny_dataset
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to compare its batches with the CPU's")
-@pytest.mark.parametrize("crop", ["padded", "random_resized"])
-def test_the_batches_on_cuda_are_the_cpus(train_copy, crop):
+@pytest.mark.parametrize("crop, policy", [("padded", "none"), ("random_resized", "none"),
+                                          ("padded", "trivialaugment_wide")])
+def test_the_batches_on_cuda_are_the_cpus(train_copy, crop, policy):
     """The same (seed, epoch) gives the same batches on the GPU as on the CPU: the order and draws come from a CPU
-    generator; padded crops are gathers (bitwise), resized crops float sums (within 1 grey level)."""
-    settings = dict(crop=crop, image_size=24 if crop == "random_resized" else 32)
+    generator; padded crops are gathers (bitwise), resized crops float sums (within 1 grey level); a policy's draws
+    are the CPU generator's too (its float ops and resampling round on the GPU: nearly every pixel within 1)."""
+    settings = dict(crop=crop, image_size=24 if crop == "random_resized" else 32, policy=policy)
     on_cpu = epoch(registry.make("memory", train_copy, spec(**settings)), 4)
     on_gpu = epoch(registry.make("memory", train_copy, spec(device="cuda", **settings)), 4)
     assert on_gpu[0].is_cuda and torch.equal(on_cpu[1], on_gpu[1].cpu())
     difference = (on_cpu[0].float() - on_gpu[0].cpu().float()).abs()
-    assert difference.max() <= (0 if crop == "padded" else 1)
+    if policy == "none":
+        assert difference.max() <= (0 if crop == "padded" else 1)
+    else:
+        assert (difference > 1).float().mean() < 0.01 and difference.mean() < 0.5

@@ -7,13 +7,16 @@ file list, each file's size and modification time, so a changed tree is decoded 
 Every image of the split must have one size. A split larger than half the device's free memory (the host's available
 memory on the CPU) is refused before anything is decoded.
 
-Training batches: the epoch's order and every crop and flip come from one CPU generator seeded by (seed, epoch) and
-are indexed by sample, so a sample's augmentation is the same on any device, in any shard and after resuming; the order
+Training batches: the epoch's order and every crop and flip (and a per-image policy's seed) come from one CPU generator
+seeded by (seed, epoch) and are indexed by sample, so a sample's augmentation is the same on any device, in any shard
+and after resuming; the order
 is the torchvision loader's (same permutation of the same index). `padded` crops (CIFAR's: zero padding, random
 window) are a gather of the held pixels and come out exactly as torchvision's RandomCrop + flip makes them at the
 same offsets; `random_resized` crops draw Inception boxes as torchvision does and resize them with the antialiased
-bilinear filter torch and PIL define, within a grey level of the torchvision loader's PIL resize. Evaluation batches:
-resized (the shorter side to image_size / crop_ratio, the same filter; nothing where the images have that size
+bilinear filter torch and PIL define, within a grey level of the torchvision loader's PIL resize. A per-image policy
+(augment.auto_augment) is torchvision's, applied after the crop and flip to each image's uint8 tensor with torch's
+generator seeded by the sample's seed (the torchvision loader applies the same policy to the PIL image). Evaluation
+batches: resized (the shorter side to image_size / crop_ratio, the same filter; nothing where the images have that size
 already) and centre-cropped once; the index's order.
 """
 
@@ -34,10 +37,9 @@ from fastanchor.errors import ConfigError, DataError
 from fastanchor.files import atomic_write_bytes
 from fastanchor.pipeline.datasets.imagefolder import ImageFolderIndex, load_rgb
 from fastanchor.pipeline.loaders.order import epoch_shard
-from fastanchor.pipeline.loaders.transforms import epoch_generator
+from fastanchor.pipeline.loaders.transforms import AUTO_AUGMENT_POLICIES, POLICIES, epoch_generator, seeded
 from fastanchor.pipeline.loaders.spec import LoaderSpec, check_image_size, checked_spec
 
-POLICIES = ("none",)
 MEMORY_SHARE = 0.5  # the decoded split may take at most this share of the device's free memory
 RATIO = (3 / 4, 4 / 3)  # random_resized crops' aspect ratios, as torchvision's
 ATTEMPTS = 10  # random_resized boxes drawn before the centre fallback, as torchvision's
@@ -239,15 +241,16 @@ def eval_images(images: torch.Tensor, image_size: int, crop_ratio: float) -> tor
 
 class MemoryLoader:
     """Iterates (uint8 channels-last [B, 3, s, s] images, int64 labels) on the spec's device from the split held there
-    (`decoded_split`); a training spec shuffles, crops and flips per (seed, epoch), an evaluation spec reads the index's
+    (`decoded_split`); a training spec shuffles, crops and flips per (seed, epoch), then applies its per-image policy
+    if it has one, an evaluation spec reads the index's
     order (rank r of world_size every world_size-th image). `cache_dir`: where the decoded split is cached (None:
     beside the split); `limit`: the most bytes it may take (None: half the device's free memory)."""
 
     def __init__(self, index: ImageFolderIndex, spec: LoaderSpec, *, cache_dir: str | Path | None = None,
                  limit: int | None = None):
         self.spec = spec = checked_spec(spec)
-        spec.require_policy(POLICIES, "the memory loader crops and flips only: use data.loader=torchvision or dali for "
-                                      "per-image policies")
+        spec.require_policy(POLICIES, f"expected one of {', '.join(POLICIES)}")
+        self.policy = AUTO_AUGMENT_POLICIES[spec.policy]() if spec.train and spec.policy != "none" else None
         self.device = torch.device(spec.device)
         pixels = torch.from_numpy(decoded_split(index, self.device, cache_dir=cache_dir, limit=limit))
         self.labels = torch.tensor([label for _, label in index.samples], dtype=torch.long, device=self.device)
@@ -294,10 +297,10 @@ class MemoryLoader:
         """The current epoch's generator (order.epoch_shard's: the order first), then every sample's crop and flip."""
         return epoch_generator(self.spec.seed, self.epoch)
 
-    def augmentation(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sample's crop (padded: [N, 2] top, left; random_resized: [N, 4] boxes) and flip ([N] bool) of the
-        current epoch, drawn after the order from the epoch's generator (a flip coin is drawn even without hflip, so
-        hflip changes no crop)."""
+    def augmentation(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every sample's crop (padded: [N, 2] top, left; random_resized: [N, 4] boxes), flip ([N] bool) and policy
+        seed ([N] int64) of the current epoch, drawn after the order from the epoch's generator (a flip coin is drawn
+        even without hflip, and a seed even without a policy, so neither changes another draw)."""
         spec, size = self.spec, self.image_size
         generator = self.generator()
         torch.randperm(self.num_samples, generator=generator)  # the order's draws, as shard() makes them
@@ -309,7 +312,8 @@ class MemoryLoader:
         else:
             crops = resized_crop_boxes(self.num_samples, height, width, spec.min_scale, generator)
         flips = torch.rand(self.num_samples, generator=generator) < 0.5
-        return crops, flips & spec.hflip
+        seeds = torch.randint(0, 2**62, (self.num_samples,), generator=generator)
+        return crops, flips & spec.hflip, seeds
 
     def __len__(self) -> int:
         spec = self.spec
@@ -324,11 +328,16 @@ class MemoryLoader:
     def iter_from(self, first_batch: int):
         """The current epoch's batches from batch `first_batch` on (the earlier ones are not made). The epoch's order
         and draws go to the device once, so a batch is made there without a copy from the host."""
-        chosen = self.shard().to(self.device)
-        crops, flips = (draws.to(self.device) for draws in self.augmentation()) if self.spec.train else (None, None)
+        order = self.shard()
+        chosen = order.to(self.device)
+        crops, flips, seeds = self.augmentation() if self.spec.train else (None, None, None)
+        crops, flips = (None, None) if crops is None else (crops.to(self.device), flips.to(self.device))
         size = self.spec.batch_size
         for start in range(first_batch * size, len(self) * size, size):
-            yield self.batch(chosen[start:start + size], crops, flips)
+            images, labels = self.batch(chosen[start:start + size], crops, flips)
+            if self.policy is not None:  # per image, each from its sample's seed (kept on the CPU)
+                images = self.with_policy(images, seeds[order[start:start + size]].tolist())
+            yield images, labels
 
     def batch(self, picked: torch.Tensor, crops: torch.Tensor | None, flips: torch.Tensor | None):
         images = self.images[picked]
@@ -339,3 +348,11 @@ class MemoryLoader:
             else:
                 images = resized_crops(images, crop, flip, self.image_size)
         return images.permute(0, 3, 1, 2), self.labels[picked]
+
+    def with_policy(self, images: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+        """The policy applied to each uint8 [3, s, s] image of the batch with torch's generator seeded by its seed."""
+        def one(image: torch.Tensor, seed: int) -> torch.Tensor:
+            with seeded(seed):
+                return self.policy(image)
+        return torch.stack([one(image, seed) for image, seed in zip(images, seeds)]).contiguous(
+            memory_format=torch.channels_last)

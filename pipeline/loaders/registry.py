@@ -68,8 +68,9 @@ LOADERS: dict[str, LoaderEntry] = {entry.name: entry for entry in (
                 "DALI readers.webdataset + decoders.image over tar shards (a URL's copied once to a local cache; mixed on CUDA)", "DALI",
                 reads="wds", decodes="device", backend_may_lack_device=True),
     LoaderEntry("memory", HERE + "memory:MemoryLoader",
-                "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there", "torch",
-                decodes="once", policy_note="the memory loader crops and flips only; use data.loader=torchvision or dali"),
+                "the split decoded once into one uint8 tensor on the device; crops and flips as batch ops there, "
+                "policies per image", "torch",
+                decodes="once"),
     LoaderEntry("nvjpeg", HERE + "nvjpeg:NvjpegLoader",
                 "DataLoader workers read files; nvJPEG decode and crops 2 batches ahead on a thread and CUDA stream of "
                 "their own", "TorchCodec or torchvision", decodes="device", cuda_only=True,
