@@ -67,7 +67,7 @@ class DataConfig:
 @dataclass
 class AugmentConfig:
     hflip: bool = option(True, "flip each training image left-right with probability 1/2, in every loader and crop")
-    auto_augment: str = option("none", "per-image policy after the crop and flip (torchvision's --auto-augment); torchvision, DALI and memory only", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
+    auto_augment: str = option("none", "per-image policy after crop and flip (torchvision's --auto-augment); torchvision, DALI, memory", choices=("none", "autoaugment", "randaugment", "trivialaugment_wide"))
     augmix: bool = option(False, "AugMix (torchvision's v2.AugMix) per image on the device batch, for every loader")
     augmix_severity: int = option(3, "AugMix severity of its operations (1 to 10)")
     pixmix: bool = option(False, "PixMix with generated fractals and feature-like pictures on the device batch, every loader")
