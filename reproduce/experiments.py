@@ -13,6 +13,7 @@ Arms: standard (3-channel model), anchored (vanilla anchoring, alpha = 0) and ma
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -80,7 +81,7 @@ AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; 
 def augmentation(setup: Setup, arm: str, value) -> list[str]:
     """Figure 5a's augmentation, on the torchvision loader where the setup's loader has no per-image policies (FFCV)."""
     policy = dict(o.split("=", 1) for o in AUGMENTATIONS[value])["augment.auto_augment"]
-    loader = load_config(arm_overrides(setup, arm)[0], setup.train).data.loader
+    loader = resolved_training(arm_overrides(setup, arm)[0], tuple(setup.train)).data.loader
     return AUGMENTATIONS[value] + (["data.loader=torchvision"] if policy not in loader_entry(loader).policies() else [])
 
 
@@ -260,9 +261,18 @@ def same_training(recipe: str, a: list[str], b: list[str]) -> bool:
     """Whether two runs' train overrides on `recipe` train the same model: their resolved configs are equal apart
     from the folder and run name they write, with train.equal_labelled_steps read as the epochs it trains (so
     `anchor.alpha=0.25` on a recipe whose alpha is 0.25 changes nothing, nor equal labelled steps at alpha 0)."""
-    def resolved(overrides: list[str]):
-        config = load_config(recipe, overrides)
-        config.train.out_dir, config.train.run_name = "", ""
-        config.train.epochs, config.train.equal_labelled_steps = config.epochs_to_train, False
-        return config
-    return resolved(a) == resolved(b)
+    def seed(overrides: list[str]) -> list[str]:
+        return [o for o in overrides if o.startswith("train.seed=")][-1:]
+
+    def rest(overrides: list[str]) -> tuple[str, ...]:
+        return tuple(o for o in overrides if not o.startswith(("train.out_dir=", "train.run_name=", "train.seed=")))
+    return seed(a) == seed(b) and resolved_training(recipe, rest(a)) == resolved_training(recipe, rest(b))
+
+
+@functools.lru_cache(maxsize=4096)
+def resolved_training(recipe: str, overrides: tuple[str, ...]):
+    """The config `recipe` and `overrides` resolve to, train.equal_labelled_steps read as the epochs it trains
+    (cached: a plan compares the same trainings for every value and seed; the config is only compared)."""
+    config = load_config(recipe, overrides)
+    config.train.epochs, config.train.equal_labelled_steps = config.epochs_to_train, False
+    return config
