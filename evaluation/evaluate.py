@@ -257,7 +257,8 @@ def rejection_metrics(id_scores: np.ndarray, ood_scores_: np.ndarray, positive: 
 
 def averageable(aurocs: list[float]) -> bool:
     """Whether a score's AUROCs (fractions) over OOD sets may be averaged: one set, or at or above chance on every
-    set (an inverted detector averaged with a working one is not a reading; reproduce/sft.py applies the same)."""
+    set (an inverted detector averaged with a working one is not a reading; reproduce/sft.py's natural_average, in
+    percent, also withholds the average of a single set below chance)."""
     return len(aurocs) == 1 or min(aurocs) >= 0.5
 
 
