@@ -813,5 +813,6 @@ def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
         runs, _ = plan(EXPERIMENTS[experiment], "small", "", str(tmp_path),
                        only_setups=tuple(filter(None, options.get("--setups", "").split(","))),
                        only_values=tuple(filter(None, options.get("--values", "").split(","))),
-                       first_seed=int(options.get("--first-seed", 0)))
-        assert runs and {r.seed for r in runs} >= {int(options.get("--first-seed", 0))}, name
+                       seeds=int(options.get("--seeds", 0)), first_seed=int(options.get("--first-seed", 0)))
+        first = int(options.get("--first-seed", 0))
+        assert runs and {r.seed for r in runs} >= set(range(first, first + int(options.get("--seeds", 1)))), name
