@@ -810,9 +810,9 @@ def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
     assert len(calls) >= 9
     for name, experiment, *args in calls:
         options = dict(zip(args[::2], args[1::2]))
+        first, seeds = int(options.get("--first-seed", 0)), int(options.get("--seeds", 0))
         runs, _ = plan(EXPERIMENTS[experiment], "small", "", str(tmp_path),
                        only_setups=tuple(filter(None, options.get("--setups", "").split(","))),
                        only_values=tuple(filter(None, options.get("--values", "").split(","))),
-                       seeds=int(options.get("--seeds", 0)), first_seed=int(options.get("--first-seed", 0)))
-        first = int(options.get("--first-seed", 0))
-        assert runs and {r.seed for r in runs} >= set(range(first, first + int(options.get("--seeds", 1)))), name
+                       seeds=seeds, first_seed=first)
+        assert runs and {r.seed for r in runs} >= set(range(first, first + max(seeds, 1))), name
