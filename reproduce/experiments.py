@@ -63,10 +63,12 @@ ALPHA_ONE_LABELLED = "1.0-label"  # alpha 1 with the labels kept on masked input
 
 def alpha(setup: Setup, arm: str, value) -> list[str]:
     """Table 4: alpha, with equal labelled steps where a step still carries labels (alpha 1 with the uniform target
-    has none: trained for train.epochs, said so in docs/reproduce.md)."""
+    has none: trained for train.epochs, said so in docs/reproduce.md). At alpha 1 every batch is masked: BatchNorm's
+    running statistics come from masked batches (the paper's plain BatchNorm), there being no other."""
+    every_batch_masked = ["anchor.alpha=1.0", "anchor.masked_batchnorm=update"]
     if value == ALPHA_ONE_LABELLED:
-        return ["anchor.alpha=1.0", "anchor.masked_target=label"]
-    return [f"anchor.alpha={value}"] + (["train.equal_labelled_steps=false"] if float(value) == 1.0 else [])
+        return every_batch_masked + ["anchor.masked_target=label"]
+    return every_batch_masked + ["train.equal_labelled_steps=false"] if float(value) == 1.0 else [f"anchor.alpha={value}"]
 
 
 AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; AugMix beside them
