@@ -140,6 +140,11 @@ CASES = {
     # --- config values ---
     "alpha above 1": Case(lambda w, d: train(w, d, **{"anchor.alpha": 1.5}), "anchor.alpha = 1.5: expected a probability in [0, 1]"),
     "alpha below 0": Case(lambda w, d: train(w, d, **{"anchor.alpha": -0.2}), "anchor.alpha = -0.2: expected a probability in [0, 1]"),
+    # measured: tab4's first alpha-1 runs on `hard` scored at chance, their BatchNorm statistics never estimated
+    "every batch masked, masked batches skipped": Case(lambda w, d: train(w, d, **{
+        "anchor.alpha": 1.0, "anchor.mask_level": "batch", "anchor.masked_batchnorm": "skip"}),
+        "anchor.masked_batchnorm = 'skip' with anchor.alpha = 1.0 and batch-level masking: every batch is masked, so "
+        "BatchNorm's running statistics would never be estimated; expected anchor.masked_batchnorm=update"),
     "unknown model": Case(lambda w, d: train(w, d, **{"model.name": "resnet_does_not_exist"}), "unknown model 'resnet_does_not_exist'"),
     "unknown torchvision model": Case(lambda w, d: train(w, d, **{"model.name": "torchvision/resnet_nope"}), "unknown model 'torchvision/resnet_nope'"),
     "unknown config key": Case(lambda w, d: train(w, d, **{"optim.learning_rate": 0.1}), "unknown config key 'optim.learning_rate'"),

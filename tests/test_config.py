@@ -57,19 +57,10 @@ def test_bad_values_raise_one_clear_line(override, message):
     assert "\n" not in str(error.value)
 
 
-def test_batch_masking_of_every_batch_needs_batchnorm_statistics_from_masked_batches():
-    """At alpha 1 with batch-level masking no batch is unmasked: 'skip' would leave BatchNorm's running statistics at
-    their initial values (measured: tab4's alpha-1 runs on `hard` at chance even on the masked inputs they fit)."""
-    every_batch = ["anchor.alpha=1.0", "anchor.mask_level=batch"]
-    with pytest.raises(ConfigError) as error:
-        load_config("demo", [*every_batch, "anchor.masked_batchnorm=skip"])
-    assert str(error.value) == ("anchor.masked_batchnorm = 'skip' with anchor.alpha = 1.0 and batch-level masking: every batch "
-                                "is masked, so BatchNorm's running statistics would never be estimated; expected "
-                                "anchor.masked_batchnorm=update")
-    assert load_config("demo", [*every_batch, "anchor.masked_batchnorm=update"]).anchor.masked_batchnorm == "update"
-    assert load_config("demo", ["anchor.alpha=1.0", "anchor.mask_level=sample"]).anchor.alpha == 1.0  # no fix there
+def test_tab4s_alpha_one_cells_take_batchnorm_statistics_from_masked_batches():
+    """At alpha 1 with batch-level masking no batch is unmasked ('skip' is refused there: tests/test_bad_input.py)."""
     from fastanchor.reproduce.experiments import ALPHA_ONE_LABELLED, alpha
-    for value in (1.0, ALPHA_ONE_LABELLED):  # tab4's alpha-1 cells ask for it
+    for value in (1.0, ALPHA_ONE_LABELLED):
         assert "anchor.masked_batchnorm=update" in alpha(None, "masking", value)
     assert alpha(None, "masking", 0.25) == ["anchor.alpha=0.25"]
 

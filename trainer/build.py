@@ -540,13 +540,18 @@ def make_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Opt
     compiled = t.compile in ("step", "step-cudagraphs")
     if compiled:
         check_compiled_step(t.compile, device, amp_dtype(t.amp, device), processes)
+    unmasked_batchnorm = a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch"  # trainer/batchnorm.py
+    if unmasked_batchnorm and a.alpha == 1.0:
+        raise ConfigError("anchor.masked_batchnorm = 'skip' with anchor.alpha = 1.0 and batch-level masking: every batch is "
+                          "masked, so BatchNorm's running statistics would never be estimated; expected "
+                          "anchor.masked_batchnorm=update")
     return (CompiledTrainStep if compiled else TrainStep)(
         model, optimizer, device=device, autocast_dtype=amp_dtype(t.amp, device), forward=forward,
         **({"cudagraphs": t.compile == "step-cudagraphs", "backend": t.compile_backend} if compiled else {}),
         mixer=BatchMixer(g.mixup_alpha, g.cutmix_alpha, g.mix_prob, g.switch_prob,
                          seed=augment_seed(t.seed, processes.rank if processes else 0)),
         grad_clip=o.grad_clip, ema_decay=o.ema_decay, label_smoothing=o.label_smoothing, masked_target=a.masked_target,
-        unmasked_batchnorm=a.enabled and a.masked_batchnorm == "skip" and a.mask_level == "batch",  # trainer/batchnorm.py
+        unmasked_batchnorm=unmasked_batchnorm,
         skip_nonfinite=t.nonfinite == "skip", processes=processes)
 
 

@@ -507,9 +507,6 @@ def _agreement_checks(config: Config):
     yield (not (t.equal_labelled_steps and config.labelled_fraction == 0.0),
            f"train.equal_labelled_steps = true with anchor.alpha = {a.alpha} and anchor.masked_target = 'uniform': every sample "
            f"is masked, no step carries a label; expected anchor.alpha < 1 or anchor.masked_target=label")
-    yield (not (a.enabled and a.alpha == 1.0 and a.mask_level == "batch" and a.masked_batchnorm == "skip"),
-           "anchor.masked_batchnorm = 'skip' with anchor.alpha = 1.0 and batch-level masking: every batch is masked, so "
-           "BatchNorm's running statistics would never be estimated; expected anchor.masked_batchnorm=update")
     yield (not (a.first_layer == "fresh" and m.pretrained),
            "anchor.first_layer = 'fresh' with model.pretrained = true would discard the pretrained first layer: expected duplicate")
     yield (not (m.init_checkpoint and m.pretrained),
