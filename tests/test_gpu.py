@@ -172,10 +172,12 @@ def test_the_stage_and_step_never_make_the_host_wait_for_the_device(anchored, al
     config = Config()
     config.model.name, config.data.image_size, config.train.amp = "fastanchor_resnet_tiny", 32, "bf16" if ON_GPU else "off"
     config.train.channels_last = True
-    config.anchor.enabled, config.anchor.alpha, config.anchor.mask_level = anchored, alpha, level
+    # the step of a masking run (alpha 1 with batch-level 'skip' is refused); the stage draws at `alpha`
+    config.anchor.enabled, config.anchor.alpha, config.anchor.mask_level = anchored, min(alpha, 0.5), level
     config.anchor.references = references
     model = build_model(config, 10, device).train()
     step = make_step(config, model, make_optimizer(model, config), device)
+    config.anchor.alpha = alpha
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, device=device).contiguous(
         memory_format=torch.channels_last)
     labels = torch.randint(0, 10, (16,), device=device)

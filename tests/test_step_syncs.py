@@ -63,11 +63,14 @@ def setup(anchored: bool, alpha: float, level: str = "batch", references: str = 
     """The benchmark's step (trainer/build.py) on the meta device, with its stage; images 8 x 3 x 32 x 32."""
     config = Config()
     config.model.name, config.data.image_size, config.train.amp = "fastanchor_resnet_tiny", 32, "off"
-    config.anchor.enabled, config.anchor.alpha, config.anchor.mask_level = anchored, alpha, level
+    # the step of a masking run (alpha 1 with batch-level 'skip' is refused: no batch would be unmasked); the stage
+    # below draws at `alpha` (1: every batch masked, the step's masked path each time)
+    config.anchor.enabled, config.anchor.alpha, config.anchor.mask_level = anchored, min(alpha, 0.5), level
     config.anchor.references = references
     model = build_model(config, 10, META).train()
     # autocast knows no meta device: the step is built for the CPU (amp off: autocast and scaler disabled)
     step = make_step(config, model, make_optimizer(model, config), torch.device("cpu"))
+    config.anchor.alpha = alpha
     images = torch.empty(8, 3, 32, 32, dtype=torch.uint8, device=META).contiguous(memory_format=torch.channels_last)
     labels = torch.empty(8, dtype=torch.long, device=META)
     stage = make_stage(config, (), META, fixed_references=images if references == "fixed" else None)
