@@ -68,7 +68,9 @@ def alpha(setup: Setup, arm: str, value) -> list[str]:
     every_batch_masked = ["anchor.alpha=1.0", "anchor.masked_batchnorm=update"]
     if value == ALPHA_ONE_LABELLED:
         return every_batch_masked + ["anchor.masked_target=label"]
-    return every_batch_masked + ["train.equal_labelled_steps=false"] if float(value) == 1.0 else [f"anchor.alpha={value}"]
+    if float(value) == 1.0:
+        return every_batch_masked + ["train.equal_labelled_steps=false"]
+    return [f"anchor.alpha={value}"]
 
 
 AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; AugMix beside them

@@ -57,14 +57,6 @@ def test_bad_values_raise_one_clear_line(override, message):
     assert "\n" not in str(error.value)
 
 
-def test_tab4s_alpha_one_cells_take_batchnorm_statistics_from_masked_batches():
-    """At alpha 1 with batch-level masking no batch is unmasked ('skip' is refused there: tests/test_bad_input.py)."""
-    from fastanchor.reproduce.experiments import ALPHA_ONE_LABELLED, alpha
-    for value in (1.0, ALPHA_ONE_LABELLED):
-        assert "anchor.masked_batchnorm=update" in alpha(None, "masking", value)
-    assert alpha(None, "masking", 0.25) == ["anchor.alpha=0.25"]
-
-
 # Numbers any value of which is meaningful, and lists whose items are checked by name (_check_known).
 UNBOUNDED = {"optim.milestones": "checked as epochs >= 0 by name", "eval.corruptions": "names, checked against the corruption list",
              "eval.corruptions_bar": "names, checked against the C-bar list", "eval.datasets": "name=path, checked by name",

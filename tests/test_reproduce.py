@@ -674,6 +674,8 @@ def test_small_scale_plans_both_settings_and_the_resnet18_row_with_equal_labelle
                                                                           seeds=1, only_setups=("demo",))[0]}
     assert tab4[1.0]["train.equal_labelled_steps"] == "false"  # alpha 1, uniform target: no labelled step to equal
     assert tab4["1.0-label"]["anchor.masked_target"] == "label" and tab4[0.25]["train.equal_labelled_steps"] == "true"
+    assert {v: tab4[v].get("anchor.masked_batchnorm") for v in tab4} == {  # alpha 1: no unmasked batch to keep them
+        0.0: None, 0.25: None, 0.5: None, 1.0: "update", "1.0-label": "update"}
     for overrides in tab4.values():  # every one loads
         load_config("demo", [f"{k}={v}" for k, v in overrides.items()])
 
