@@ -146,7 +146,7 @@ else  # the rehearsal: the same stages, tiny
     loader_shape=(--set data.batch_size=8 --set data.image_size=32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
     nvjpeg=torchvision kernel=torch cudagraphs=step timed=(--batches 6) backend=eager
     ffcv_naive=(--no-naive)  # its second FFCV loader compiles FFCV's pipeline again; tests/test_benchmarks.py has the arm
-    op_paths=(--paths torch,numba) loaders=torchvision,ffcv
+    op_paths=(--paths torch,numba) loaders=torchvision  # FFCV's loader benchmark: tests/test_benchmarks.py
 fi
 # the settings aimed at 7,000 img/s, both arms alike: the whole step compiled, the stem padded to 8 channels, the op's
 # channels-last kernel, cuDNN autotuning

@@ -42,7 +42,6 @@ def stage_lines(out: Path) -> dict[str, str]:
     return {line.split()[0]: line for line in lines}
 
 
-@pytest.mark.first
 def test_the_whole_window_rehearses_on_the_cpu(tmp_path):
     result = window(tmp_path, "--deadline", "500")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,9 +1,8 @@
-"""The recipes under configs/: every one loads, validates and trains two steps through the loader it
-names, on a tiny dataset of its shape (ImageNet-shaped JPEGs in four classes for the ImageNet recipes,
-at scaled-down resolutions; small CIFAR python-pickle directories for the CIFAR recipes; the real
-models); their learning-rate
-and resolution schedules against hand-computed values; recipe inheritance; the recipe tables of
-docs/recipes.md are the generated ones."""
+"""The recipes under configs/: every one loads and validates, and one of each family (the FFCV ResNets' six
+schedules of a model and arm are one family) trains two steps through the loader it names, on a tiny dataset of its
+shape (ImageNet-shaped JPEGs in four classes for the ImageNet recipes, at scaled-down resolutions; small CIFAR
+python-pickle directories for the CIFAR recipes; the real models); their learning-rate and resolution schedules
+against hand-computed values; recipe inheritance; the recipe tables of docs/recipes.md are the generated ones."""
 
 import json
 import math
@@ -88,8 +87,42 @@ def expected_lr(config, step: int, steps_per_epoch: int) -> float:
     return peak * (start + (1 - start) * epoch / o.warmup_epochs)  # cosine recipes: still warming up
 
 
-@pytest.mark.slow  # every recipe trains: two minutes of the suite
-@pytest.mark.parametrize("name", RECIPES)
+def family(name: str) -> str:
+    """The FFCV ResNets come in 6 schedules of one model and arm (imagenet/rn50_24_epochs_anchored: rn50_anchored);
+    every other recipe is a family of its own."""
+    match = re.fullmatch(r"imagenet/(rn\d+)_\d+_epochs(_anchored)?", name)
+    return f"{match.group(1)}{match.group(2) or ''}" if match else name
+
+
+TRAINED: dict[str, str] = {}  # a family's shortest schedule trains; the others differ from it only in the schedule
+for _name in RECIPES:
+    TRAINED.setdefault(family(_name), _name)  # recipe_names() is sorted: 16 epochs first
+SCHEDULE = {"train.epochs", "data.resolution_ramp_start_epoch", "data.resolution_ramp_end_epoch"}
+
+
+def options_apart(name: str, other: str) -> set[str]:
+    """The options (section.key) whose values differ between two recipes."""
+    from dataclasses import asdict
+
+    flat = lambda config: {f"{s}.{k}": v for s, values in asdict(config).items() for k, v in values.items()}  # noqa: E731
+    mine, theirs = flat(load_config(name)), flat(load_config(other))
+    return {key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)}
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n not in TRAINED.values()])
+def test_a_recipe_that_does_not_train_here_is_its_trained_sibling_with_another_schedule(name):
+    """What training two steps checks (the model, the loader, the arm, the optimiser) is its family's trained
+    recipe's; only the schedule is its own, checked by hand at the steps the trained recipes log."""
+    assert options_apart(name, TRAINED[family(name)]) <= SCHEDULE, name
+    config = load_config(name)
+    steps_per_epoch = training_images(name) // TINY_BATCH
+    for step in (1, 2):
+        scheduled = peak_lr(config.optim, TINY_BATCH) * lr_factor(step / steps_per_epoch, config.train.epochs, config.optim)
+        assert scheduled == pytest.approx(expected_lr(config, step, steps_per_epoch), rel=1e-9)
+
+
+@pytest.mark.slow  # a recipe of each family trains: a minute of the suite
+@pytest.mark.parametrize("name", sorted(TRAINED.values()))
 def test_every_recipe_trains_two_steps_on_a_tiny_dataset_of_its_shape(name, imagenet_shaped, cifar_pickles, tmp_path):
     recipe = load_recipe(name)  # loads and validates, and its `about` has what the tables need
     overrides = tiny_overrides(name, cifar_pickles if name.startswith("cifar/") else imagenet_shaped, tmp_path)
