@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
+import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from fastanchor.errors import ConfigError
@@ -271,6 +273,20 @@ def same_training(recipe: str, a: list[str], b: list[str]) -> bool:
     def rest(overrides: list[str]) -> tuple[str, ...]:
         return tuple(o for o in overrides if not o.startswith(("train.out_dir=", "train.run_name=", "train.seed=")))
     return seed(a) == seed(b) and resolved_training(recipe, rest(a)) == resolved_training(recipe, rest(b))
+
+
+def settings_of(run: Run) -> str:
+    """A digest of what made a run's row apart from its seed and where it ran: the resolved training config (without
+    its seed, folder, run name, device and progress) and the evaluation's overrides (without its seed). Rows with one
+    digest are seeds of one configuration, which a record gathers over several sweeps (sweep.keep_other_cells). ''
+    for a run of explicit steps only (SFT, ER), whose cells the record keeps or replaces whole."""
+    if not run.train:
+        return ""
+    training = tuple(o for o in run.train if not o.startswith(
+        ("train.out_dir=", "train.run_name=", "train.seed=", "train.device=", "train.progress=")))
+    evaluation = sorted(o for o in run.evaluate if not o.startswith("eval.seed="))
+    text = json.dumps([asdict(resolved_training(run.recipe, training)), evaluation], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=4096)

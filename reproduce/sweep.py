@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from fastanchor.reproduce.aggregate import aggregate
-from fastanchor.reproduce.experiments import EXPERIMENTS, Experiment, Run, plan
+from fastanchor.reproduce.experiments import EXPERIMENTS, Experiment, Run, plan, settings_of
 from fastanchor.reproduce.options import ReproduceOptions
 from fastanchor.reproduce.record import write_index, write_record, write_results
 from fastanchor.reproduce.scales import setups
@@ -92,13 +92,17 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
     papers = experiment.setup_papers or papers
     result = aggregate(experiment, runs, Path(options.out), scale, papers)
     result["command"] = command
+    settings = {run.name: settings_of(run) for run in runs}
+    for row in result.get("runs", []):
+        if settings.get(row["run"]):
+            row["settings"] = settings[row["run"]]
     paths = write_results(result, Path(options.out) / experiment.name, whole)
     print(f"{len(runs) - len(result['missing'])} of {len(runs)} runs aggregated: {', '.join(map(str, paths.values()))}")
     if options.record:
         recorded = Path(options.record) / experiment.name / "result.json"
         # --aggregate-only with none of the runs here: the record's own rows, re-summarised by the current rules
         restating = options.aggregate_only and bool(runs) and len(result.get("missing", ())) == len(runs)
-        if options.setup_names or options.value_names or restating:  # part of it: the record keeps its other cells
+        if options.setup_names or options.value_names or options.seeds or options.first_seed or restating:  # a part
             result = keep_other_cells(result, recorded, [] if restating else runs, experiment.restate)
             paths = write_results(result, Path(options.out) / experiment.name, whole)
         written = write_record(result, paths.get("result.png"), Path(options.record) / experiment.name)
@@ -109,10 +113,11 @@ def summarise(experiment: Experiment, runs: list[Run], options: ReproduceOptions
 
 
 def keep_other_cells(result: dict, recorded: Path, runs: list[Run], restate=None) -> dict:
-    """`result` (of the runs --setups/--values chose) with the committed record's rows of every (setup, value) those
-    runs do not cover, each marked with the command that made it and passed through `restate` (the experiment's
-    current reading of a recorded row, if it has one); summary and verdicts recomputed. No runs: the record's rows
-    alone, as it recorded them missing."""
+    """`result` (of the runs --setups/--values/--seeds chose) with the committed record's rows of every (setup, value)
+    those runs do not cover, and of the seeds they do not run of a configuration they do (the same `settings` digest:
+    a cell gathered a seed at a time), each marked with the command that made it and passed through `restate` (the
+    experiment's current reading of a recorded row, if it has one); summary and verdicts recomputed. No runs: the
+    record's rows alone, as it recorded them missing."""
     if not recorded.is_file() or "runs" not in result:
         return result
     from fastanchor.files import read_json
@@ -121,9 +126,17 @@ def keep_other_cells(result: dict, recorded: Path, runs: list[Run], restate=None
 
     old = read_json(recorded, "record")
     covered = {(run.setup, json.dumps(run.value)) for run in runs}
+    planned: dict[tuple, set[int]] = {}  # (setup, value, arm, settings) -> the seeds these runs train
+    for run in runs:
+        planned.setdefault((run.setup, json.dumps(run.value), run.arm, settings_of(run)), set()).add(run.seed)
+
+    def keep(row: dict) -> bool:
+        cell = (row["setup"], json.dumps(row["value"]))
+        seeds = planned.get((*cell, row["arm"], row.get("settings"))) if row.get("settings") else None
+        return cell not in covered or (seeds is not None and row["seed"] not in seeds)
     kept = [{**row, "from_record": row.get("from_record") or old.get("command", ""),
              **({"metrics": restate(row["metrics"])} if restate else {})}
-            for row in old.get("runs", []) if (row["setup"], json.dumps(row["value"])) not in covered]
+            for row in old.get("runs", []) if keep(row)]
     if not kept:
         return result
     if not runs:
@@ -138,7 +151,7 @@ def keep_other_cells(result: dict, recorded: Path, runs: list[Run], restate=None
     merged = {**result, "runs": rows,
               "summary": summarise_rows(rows, result["paper"]["entries"], result["setups"],
                                         EXPERIMENTS[result["experiment"]].strict_paper_setup),
-              "kept": f"{len(kept)} rows of cells not rerun kept from the record (each names its command)",
+              "kept": f"{len(kept)} rows kept from the record, of cells or seeds not rerun (each names its command)",
               **({"setup_rules": setup_rules} if setup_rules else {})}
     return {**merged, "verdicts": verdicts(merged, EXPERIMENTS[result["experiment"]].paper)}
 

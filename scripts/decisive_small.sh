@@ -33,18 +33,20 @@
 #                    masking runs)   about 100 min
 #   tab4-demo        the same on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 9 runs   about 45 min
 #   er               the testbed, then the fine-tunes with the dense early checkpoints   about 60 min
-#   fig5-demo        fig5a and fig5b at three values each on demo, seeds 3-5: 36 runs (geometric and 0% noise are
-#                    tab1's)   about 2 hours (the memory loader applies TrivialAugment per image: about 1 s an
-#                    epoch more on hard)
-#   tab1-r18         tab1 on demo_resnet18 (the CIFAR ResNet-18, bf16 on the CPU's AMX: about 160 img/s,
-#                    16 min a 30-epoch run): 9 runs   about 3 hours
-#   tab3-r18         tab1's models, evaluation  about 5 min
-#   fig1-r18         |R| 50 and whole on demo_resnet18: 12 runs   about 4 hours
-#   shortcut-r18     fig1's models, evaluation  about 10 min
-#   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs   about 65 min
-#   shortcut-demo-rest  their models, evaluation   about 5 min
-#   fig5-hard        fig5a and fig5b at three values each on hard: 36 runs (geometric and 0% noise are tab1's)
-#                    about 6 hours
+#   fig5a-demo, fig5b-demo   fig5a / fig5b at three values each on demo, seeds 3-5: 18 runs each (geometric and
+#                    0% noise are tab1's)   about an hour each (the memory loader applies TrivialAugment per image)
+# The longer stages go a seed at a time (STAGE-sK: seed K alone; STAGE: every seed in turn), each seed recorded as it
+# ends, so that no piece outlasts a session's two hours or so of runs on the development machine, whose runs/ may not
+# outlive the session: a record gathers a cell's seeds of one configuration over several sweeps (the `settings` digest
+# of each row, reproduce/sweep.py keep_other_cells). A seed's piece trains what it evaluates again where runs/ lacks it.
+#   tab1-r18-sK      tab1 on demo_resnet18 (the CIFAR ResNet-18, bf16 on the CPU's AMX: about 160 img/s, 16 min a
+#                    30-epoch run), then tab3 from its models: 3 runs   about 50 min a seed
+#   fig1-r18-sK      |R| 50 and whole on demo_resnet18 (standard is tab1's), then the shortcut probe: 5 runs
+#                    about 100 min a seed
+#   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
+#                    shortcut probe   about 70 min
+#   fig5a-hard-sK, fig5b-hard-sK   at three values each on hard (geometric and 0% noise are tab1's): 9 runs
+#                    about 90 min a seed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}
@@ -58,10 +60,11 @@ run() {  # stage name, then the reproduce arguments
 
 stage=${1:-all}
 stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard tab4-demo er "
-stages+="fig5-demo "
-stages+="tab1-r18 tab3-r18 fig1-r18 shortcut-r18 fig1-demo-rest shortcut-demo-rest fig5-hard "
-[[ $stages == *" $stage "* ]] || { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages)" >&2; exit 2; }
-want() { [[ $stage == all || $stage == "$1" ]]; }
+stages+="fig5a-demo fig5b-demo fig1-demo-rest "
+seeded=" tab1-r18 fig1-r18 fig5a-hard fig5b-hard "  # also STAGE-s0, -s1, -s2
+[[ "$stages$seeded" == *" $stage "* || ($seeded == *" ${stage%-s[012]} "* && $stage == *-s[012]) ]] ||
+    { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages${seeded# }or one of the last four with -s0, -s1 or -s2)" >&2; exit 2; }
+want() { [[ $stage == all || $stage == "$1" || $1 == "$stage"-s[0-9] ]]; }
 want tab1-hard && run tab1-hard tab1 --setups hard --seeds 6
 want tab3-hard && run tab3-hard tab3 --setups hard --seeds 6
 want tab1-demo && run tab1-demo tab1 --setups demo --seeds 6 --first-seed 3
@@ -73,13 +76,21 @@ want shortcut-hard && run shortcut-hard shortcut --setups hard --values 50,whole
 want tab4-hard && run tab4-hard tab4 --setups hard
 want tab4-demo && run tab4-demo tab4 --setups demo --first-seed 3
 want er && run er-testbed er-testbed && run er-finetune er-finetune
-want fig5-demo && run fig5a-demo fig5a --setups demo --first-seed 3 && run fig5b-demo fig5b --setups demo --first-seed 3
-want tab1-r18 && run tab1-r18 tab1 --setups demo_resnet18
-want tab3-r18 && run tab3-r18 tab3 --setups demo_resnet18
-want fig1-r18 && run fig1-r18 fig1 --setups demo_resnet18 --values 50,whole
-want shortcut-r18 && run shortcut-r18 shortcut --setups demo_resnet18 --values 50,whole
-want fig1-demo-rest && run fig1-demo-rest fig1 --setups demo --values 5,10,500 --first-seed 3
-want shortcut-demo-rest && run shortcut-demo-rest shortcut --setups demo --values 5,500 --first-seed 3
-want fig5-hard && run fig5a-hard fig5a --setups hard && run fig5b-hard fig5b --setups hard
+want fig5a-demo && run fig5a-demo fig5a --setups demo --first-seed 3
+want fig5b-demo && run fig5b-demo fig5b --setups demo --first-seed 3
+for s in 0 1 2; do
+    want tab1-r18-s$s && run tab1-r18-s$s tab1 --setups demo_resnet18 --first-seed $s --seeds 1 &&
+        run tab3-r18-s$s tab3 --setups demo_resnet18 --first-seed $s --seeds 1
+done
+for s in 0 1 2; do
+    want fig1-r18-s$s && run fig1-r18-s$s fig1 --setups demo_resnet18 --values 50,whole --first-seed $s --seeds 1 &&
+        run shortcut-r18-s$s shortcut --setups demo_resnet18 --values 50,whole --first-seed $s --seeds 1
+done
+want fig1-demo-rest && run fig1-demo-rest fig1 --setups demo --values 5,10,500 --first-seed 3 &&
+    run shortcut-demo-rest shortcut --setups demo --values 5,500 --first-seed 3
+for s in 0 1 2; do
+    want fig5a-hard-s$s && run fig5a-hard-s$s fig5a --setups hard --first-seed $s --seeds 1
+    want fig5b-hard-s$s && run fig5b-hard-s$s fig5b --setups hard --first-seed $s --seeds 1
+done
 [[ $RECORD == results/reproduce ]] && "$FASTANCHOR" docs
 exit 0

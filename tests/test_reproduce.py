@@ -280,6 +280,14 @@ def test_tiny_paper_columns_sit_beside_ours(tiny_dataset, tmp_path):
     (record / "tab1" / "README.md").unlink()
     regenerate(record / "tab1")  # the committed README comes back from the committed result.json alone
     assert (record / "tab1" / "README.md").read_text() == written
+    # one more seed, recorded: the record's earlier seeds of the same configurations stay beside it
+    earlier = {(r["arm"], r["seed"]) for r in result["runs"]}
+    after = max(seed for _, seed in earlier) + 1
+    reproduce("tab1", "--tiny", "--data", tiny_dataset, "--out", out, "--device", "cpu", "--no-progress",
+              "--first-seed", after, "--seeds", 1, "--record", record)
+    gathered = json.loads((record / "tab1" / "result.json").read_text())
+    assert {(r["arm"], r["seed"]) for r in gathered["runs"]} == earlier | {(arm, after) for arm, _ in earlier}
+    assert all(len(r["settings"]) == 16 for r in gathered["runs"])
 
 
 def test_tab3_evaluates_the_models_tab1_trained(tiny_dataset, tmp_path):
@@ -744,6 +752,38 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
     assert "Anchored (alpha 0) (an earlier record's schedule)" in labels and "Anchored (alpha 0)" in labels
 
 
+def test_a_cell_is_gathered_a_seed_at_a_time_from_its_own_configuration_only(tmp_path):
+    """`--first-seed 1 --seeds 1 --record DIR`: the record's seed-0 row of the same configuration (its `settings`
+    digest) joins the new seed-1 row in a cell of two seeds; the record's rows of the seed rerun, of the cell trained
+    otherwise (another digest) and of a row recorded before the digest (none) are replaced."""
+    from fastanchor.reproduce.experiments import settings_of
+    from fastanchor.reproduce.runs import Run
+    from fastanchor.reproduce.sweep import keep_other_cells
+
+    def run(seed, *extra):
+        train = ("anchor.enabled=true", *extra, f"train.seed={seed}", f"train.out_dir={tmp_path / str(seed)}",
+                 f"train.run_name=demo-anchored-s{seed}", f"train.device={'cpu' if seed else 'auto'}")
+        return Run("tab1", f"demo-anchored-s{seed}", "demo", "anchored", None, seed, "demo", train,
+                   ("eval.severities=[3]", f"eval.seed={seed}"))
+
+    def row(seed, c_mean, settings):
+        return {"run": f"demo-anchored-s{seed}", "setup": "demo", "arm": "anchored", "value": None, "seed": seed,
+                "metrics": {"c_mean": c_mean}, "training": {"epochs": 30, "converged": True},
+                **({"settings": settings} if settings else {})}
+
+    ours, other = settings_of(run(0)), settings_of(run(0, "train.epochs=7"))
+    assert ours == settings_of(run(1)) and ours != other and len(ours) == 16  # seed, folder, device apart
+    old = {"command": "fastanchor reproduce tab1 (old)",
+           "runs": [row(0, 70.0, ours), row(1, 99.0, ours), row(2, 50.0, other), row(3, 40.0, None)]}
+    (tmp_path / "result.json").write_text(json.dumps(old))
+    new = {"experiment": "tab1", "paper": paper_numbers("tab1"), "setups": {"demo": ""}, "runs": [row(1, 72.0, ours)]}
+    merged = keep_other_cells(new, tmp_path / "result.json", [run(1)])
+    assert [(r["seed"], r["metrics"]["c_mean"], r.get("from_record")) for r in merged["runs"]] == [
+        (1, 72.0, None), (0, 70.0, "fastanchor reproduce tab1 (old)")]
+    cell = next(g for g in merged["summary"] if g["arm"] == "anchored")["metrics"]["c_mean"]
+    assert (cell["mean"], cell["n"]) == (71.0, 2)
+
+
 def test_aggregating_with_no_run_here_restates_the_records_rows(tmp_path):
     """`reproduce sft-tab1-2 --aggregate-only --record DIR` where none of its runs is on this machine: the record's own
     rows, each named with its command, re-summarised by the current reading: no OOD average where the score is below
@@ -807,9 +847,10 @@ def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
     """scripts/decisive_small.sh (issue 36's record, the decisive runs first): every stage's reproduce arguments plan
     at least one run at small scale (a renamed setup or value would plan none, silently)."""
     script = (Path(__file__).resolve().parents[1] / "scripts" / "decisive_small.sh").read_text()
-    calls = [shlex.split(call) for line in script.splitlines() if line.startswith("want ")
-             for call in line.split("&& run ")[1:]]
-    assert len(calls) >= 9
+    lines = re.sub(r"&&\n\s*", "&& ", script).splitlines()  # a stage's second command continues its line
+    calls = [shlex.split(call.replace("$s", seed)) for line in lines if line.strip().startswith("want ")
+             for seed in (("0", "1", "2") if "$s" in line else ("",)) for call in line.split("&& run ")[1:]]
+    assert len(calls) >= 34 and {"tab3-r18-s2", "shortcut-demo-rest", "fig5b-hard-s2"} <= {name for name, *_ in calls}
     for name, experiment, *args in calls:
         options = dict(zip(args[::2], args[1::2]))
         first, seeds = int(options.get("--first-seed", 0)), int(options.get("--seeds", 0))
