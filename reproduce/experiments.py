@@ -155,7 +155,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
         "tab4", "masking probability alpha from 0 to 1: ID and corruption accuracy", "Table 4", "alpha",
         {"tiny": (0.0, 1.0), "small": (0.0, 0.25, 0.5, 1.0, ALPHA_ONE_LABELLED), "default": (0.0, 0.25, 0.5, 0.75, 1.0)},
         ("masking",), 3, SMALL_EPOCHS,
-        {"default": CORRUPTION_C}, View(("id_top1", "c_mean"), "curve", ("id_top1", "c_mean"), "top-1 (%)"), alpha,
+        {"default": CORRUPTION_C}, View(("id_top1", "c_mean", "shortcut_top1_masked"), "curve", ("id_top1", "c_mean"),
+                                        "top-1 (%)"), alpha,
         setups={"cifar": ("cifar100_resnet18",), "small": ("demo", "hard")}, shares_training="tab1"),
     Experiment(
         "fig5a", "augmentations (geometric, RandAugment, TrivialAugment, AugMix, PixMix) x the three arms",
