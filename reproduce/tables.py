@@ -80,6 +80,11 @@ def markdown(result: dict, view: View) -> str:
         lines.append("- epochs: each row's training epochs, as recorded with its runs; 'earlier': a cell kept from an "
                      "earlier record that did not record them (its command in result.json), at that record's "
                      "schedule: compare it with its own record's rows, not with these")
+    late = [r for r in result.get("runs", []) if (r.get("training") or {}).get("converged") is False]
+    if late:  # named here, whether or not a verdict would have read them (the rule: result.json's convergence_rule)
+        lines.append("- had not plateaued (no verdict is drawn from them): " + ", ".join(
+            f"{r['run']} (ID top-1 {r['training']['top1_gain']:+.2f} points, training loss "
+            f"{-(r['training']['loss_fall'] or 0):+.3f} over its last {r['training']['window']} epochs)" for r in late))
     lines.append("")
     head = ["setup", "arm"] + ([axis] if axis else []) + ["seeds"] + (["epochs"] if has_epochs else [])
     body = []

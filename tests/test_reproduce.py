@@ -743,6 +743,13 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
     table = markdown({**merged, "title": "fig1", "paper_source": "", "scale": "small", "std": "", "missing": [], "axis": "|R|"},
                      EXPERIMENTS["fig1"].view)
     assert "| demo | Anchored (alpha 0) | 5 | 1 | earlier |" in table and "| demo | Anchored (alpha 0) | whole | 1 | 30 |" in table
+    assert "had not plateaued" not in table
+    late = {**merged["runs"][0], "training": {"epochs": 30, "window": 8, "top1_gain": 1.5, "loss_fall": 0.02,
+                                              "converged": False}}
+    table = markdown({**merged, "runs": [late, *merged["runs"][1:]], "title": "fig1", "paper_source": "",
+                      "scale": "small", "std": "", "missing": [], "axis": "|R|"}, EXPERIMENTS["fig1"].view)
+    assert ("- had not plateaued (no verdict is drawn from them): demo-anchored-whole-s0 (ID top-1 +1.50 points, "
+            "training loss -0.020 over its last 8 epochs)") in table
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots()
     curve_panel(axes, merged["summary"], "c_mean", ["standard", "anchored"], {"standard": "k", "anchored": "C0"}, "|R|",
