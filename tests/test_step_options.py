@@ -219,15 +219,18 @@ def test_resnet50s_whole_step_traces_as_one_graph():
     torch.testing.assert_close(model.fc.weight, eager_model.fc.weight, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # inductor compiles the step: about a minute on the 2-core machine
+@pytest.mark.slow  # AOT autograd traces the step's forward and backward: half a minute less than inductor's C++
 def test_a_compiled_step_trains_through_the_cli_and_records_its_settings(tiny_dataset, tmp_path):
-    """train.compile=step (inductor) for 2 steps of the demo recipe (its smallest model, the plain 5-conv net: less
-    code to generate), with the padded stem and the op by name: the run's config records every setting, and a
-    benchmark result records them at its top; the LR scheduler knows the compiled update stepped the optimizer."""
+    """train.compile=step (aot_eager: the whole step traced and functionalised as inductor takes it, without the C++
+    code generation that a GPU replaces with Triton's; docs/compile.md's example runs inductor) for 2 steps of the
+    demo recipe (its smallest model, the plain 5-conv net), with the padded stem and the op by name: the run's config
+    records every setting, and a benchmark result records them at its top; the LR scheduler knows the compiled update
+    stepped the optimizer."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=re.escape("Detected call of `lr_scheduler.step()` before"))
         run = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{
-            "train.run_name": "compiled", "train.compile": "step", "train.max_steps": 2, "train.log_interval": 1,
+            "train.run_name": "compiled", "train.compile": "step", "train.compile_backend": "aot_eager",
+            "train.max_steps": 2, "train.log_interval": 1,
             "model.name": "fastanchor_convnet5", "model.stem_channels": 8, "anchor.kernel": "torch", "optim.name": "sgd"}))
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
