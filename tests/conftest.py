@@ -36,7 +36,7 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 # the files that take the suite longest (`make test ARGS=--durations=0`, summed per file), longest first
 LONGEST_FILES = ("test_distributed.py", "test_gpu_window.py", "test_reproduce.py", "test_recipes.py",
-                 "test_docs_examples.py", "test_step_options.py", "test_webdataset.py", "test_end_to_end.py")
+                 "test_docs_examples.py", "test_webdataset.py", "test_end_to_end.py", "test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(items):
