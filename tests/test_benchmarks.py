@@ -137,6 +137,7 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
                                                  progress=False)
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--set", "data.batch_size=4",
                    "--set", "data.image_size=32", "--workers", 2, "--warmup-batches", 1,
@@ -409,6 +410,7 @@ def test_schema_check_refuses_inconsistent_results(results):
             validate_result(broken)
 
 
+@pytest.mark.slow  # reads the loader result test_loader_benchmark (slow) writes
 def test_readme_block_from_result_files(results, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Performance\n\n{docs_blocks.BEGIN}\nold\n{docs_blocks.END}\n\n## After\n")
@@ -430,6 +432,7 @@ def test_readme_block_from_result_files(results, tmp_path):
     assert len(outcome.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # reads the loader result test_loader_benchmark (slow) writes
 def test_readme_blocks_go_to_the_docs_page_holding_their_markers(results, tmp_path):
     """`fastanchor docs` writes each block into whichever of README.md and docs/*.md holds its markers, its links
     relative to that file; a page without markers is left as it is."""

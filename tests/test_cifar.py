@@ -199,6 +199,7 @@ def test_cifar_root_holding_something_else_is_refused(tmp_path):
     assert result.returncode == 2 and f"CIFAR directory '{tmp_path / 'nowhere'}' does not exist" in result.stderr
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_train_on_cifar_with_ffcv_and_progressive_resizing(tmp_path):
     """data.dataset=cifar end to end: pickles -> tree -> betons (written on first use) -> FFCV
     training whose resolution ramps from 16 to 32 px; evaluation stays at data.image_size."""

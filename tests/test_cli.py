@@ -173,6 +173,7 @@ def test_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert list(progress_module.progress_bar(range(3), enabled=False)) == [0, 1, 2]
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_training_through_a_pipe_writes_plain_lines(tiny_dataset, tmp_path):
     """48 training images, batches of 16: 3 steps an epoch; a line every 2 steps and one at the epoch's end."""
     result = run_cli("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.progress": True, "train.log_interval": 2,
@@ -187,6 +188,7 @@ def test_training_through_a_pipe_writes_plain_lines(tiny_dataset, tmp_path):
     assert "validate" not in output  # the transient validation bar leaves no line
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_a_piped_evaluation_prints_a_line_per_set(tiny_dataset, tmp_path):
     """evaluate's bars clear themselves from a terminal; through a pipe each set still ends with its line."""
     trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "piped"}))
@@ -199,6 +201,7 @@ def test_a_piped_evaluation_prints_a_line_per_set(tiny_dataset, tmp_path):
     assert re.search(r"^\S*contrast@3\S*: 1/1 batch \[", result.stderr, re.M), result.stderr
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_an_epoch_shorter_than_the_log_interval_shows_no_nan_loss(tiny_dataset, tmp_path):
     """3 steps an epoch, a loss window every 20: the first epoch's lines show no loss yet (not loss=nan), the second
     epoch's the first epoch's mean, as its epoch line below gives it."""

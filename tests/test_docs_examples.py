@@ -67,7 +67,7 @@ def test_relative_links_resolve():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
-HEAVY = {"docs/compile.md", "docs/reproduce.md", "docs/cli.md"}  # over 5 s each: make test runs them, make test-fast does not
+HEAVY = {"docs/compile.md", "docs/reproduce.md", "docs/cli.md", "README.md"}  # over 5 s each: make test runs them, make test-fast does not
 
 
 @pytest.mark.parametrize("document", [pytest.param(d, marks=pytest.mark.slow) if d.relative_to(ROOT).as_posix() in HEAVY else d

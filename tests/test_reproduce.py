@@ -265,6 +265,7 @@ def test_every_experiment_runs_at_tiny_size(experiment, tiny_dataset, tmp_path):
     assert f"| [{experiment}]({experiment}/README.md)" in (tmp_path / "record" / "README.md").read_text()
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_tiny_paper_columns_sit_beside_ours(tiny_dataset, tmp_path):
     """Table 1's CIFAR-10 numbers are shown beside the small setups' (which stand for CIFAR-10 ResNet-18)."""
     out = tmp_path / "out"
@@ -451,6 +452,7 @@ def check_sft_result(experiment: str, out: Path, runs) -> dict:
     return result
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_sft_tables_share_their_base_models_and_fine_tunes(tiny_dataset, tmp_path):
     """Tables 1-2 then Table 4 at tiny size: each model is trained once (a stopped sweep goes on), Table 4 reuses
     Tables 1-2's fine-tunes of the paper's step and adds only its OOD-weight-0 control; every number of the
@@ -509,6 +511,7 @@ def test_sft_ablation_tables_run_at_tiny_size(tiny_dataset, tmp_path):
     assert len(list((out / "sft" / "base").iterdir())) == 2  # two models, one seed: trained once for four tables
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_sft_and_er_dry_runs_at_small_scale_parse(tmp_path):
     """Every small-scale command line of the new experiments parses (train and finetune-ood overrides by the config
     loader), fine-tunes of one model and seed name one base run, and the paper's scales are refused in one line."""
@@ -562,6 +565,7 @@ def test_sft_demo_dry_run_trains_the_demo_models_once_and_fine_tunes_each_per_se
     assert len(fine_tunes) == 2 * len(SETTINGS) and len(sgd) == 2 and all(repr(SETTINGS["sgd"]) in code for code in sgd)
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_er_testbed_and_finetune_at_tiny_size(tiny_dataset, tmp_path):
     """er-testbed fits its line (checked against scipy's linregress on the members' own accuracies); er-finetune
     reuses that testbed, pretrains once, fine-tunes from the pretrained checkpoint and from random initialisation

@@ -101,6 +101,7 @@ def test_a_stopped_invocation_goes_on_where_it_stopped(trained, tmp_path, monkey
     assert outputs(run)[0] == whole_json
 
 
+@pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_other_options_checkpoints_or_data_are_measured_again(trained, tmp_path):
     run = fresh_copy(trained, tmp_path)
     robustness_cli(run)
