@@ -39,10 +39,12 @@
 # ends, so that no piece outlasts a session's two hours or so of runs on the development machine, whose runs/ may not
 # outlive the session: a record gathers a cell's seeds of one configuration over several sweeps (the `settings` digest
 # of each row, reproduce/sweep.py keep_other_cells). A seed's piece trains what it evaluates again where runs/ lacks it.
-#   tab1-r18-sK      tab1 on demo_resnet18 (the CIFAR ResNet-18, bf16 on the CPU's AMX: about 160 img/s, 16 min a
-#                    30-epoch run), then tab3 from its models: 3 runs   about 50 min a seed
+#   tab1-r18-sK      tab1 on demo_resnet18 (the CIFAR ResNet-18 in bf16: about 160 img/s on a CPU with AMX, 16 min a
+#                    30-epoch run; about 110 img/s, 25 min, on one with AVX-512 bf16 alone), then tab3 from its
+#                    models: 3 runs   about 50 min a seed with AMX, 115 without
 #   fig1-r18-sK      |R| 50 and whole on demo_resnet18 (standard is tab1's), then the shortcut probe: 5 runs
-#                    about 100 min a seed
+#                    about 100 min a seed with AMX, over two hours without (run its four trainings over two sessions:
+#                    a killed piece resumes where it stopped while runs/ is kept)
 #   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
 #                    shortcut probe   about 70 min
 #   fig5a-hard-sK, fig5b-hard-sK   at three values each on hard (geometric and 0% noise are tab1's): 9 runs
