@@ -23,7 +23,9 @@ from fastanchor.cli import main  # noqa: E402
 from fastanchor.pipeline.datasets.embedded import EmbeddedSpec, generate_embedded_dataset  # noqa: E402
 
 TINY_SPEC = dict(seed=3, image_size=32, num_classes=4, train_per_class=12, val_per_class=6, ood_per_class=6)
-FASTANCHOR = str(Path(sys.executable).with_name("fastanchor"))
+_SCRIPT = Path(sys.executable).with_name("fastanchor")
+# the installed console script; where fastanchor runs from a checkout on PYTHONPATH (the GPU window), the module
+FASTANCHOR = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "fastanchor"]
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +69,7 @@ def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
 
 def run_cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
     """The installed `fastanchor` console script in a subprocess."""
-    result = subprocess.run([FASTANCHOR, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
+    result = subprocess.run([*FASTANCHOR, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"fastanchor {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result

@@ -98,19 +98,25 @@ def test_augmix_on_the_device_is_reproducible_and_keeps_the_batch_contract():
 def test_nvjpeg_decodes_as_libjpeg_turbo_does(tiny_dataset):
     """The benchmark's GPU decode path against torchvision's CPU decoder: same files, same crops; the two
     decoders' IDCTs and chroma upsampling, and the two antialiased resizes (float on the GPU, the uint8
-    fast path on the CPU), round differently: 1.76 grey levels on average, 33 at most, measured on an
-    H200 with torchvision 0.26 (2026-11-26). A wrong crop, flip or channel order differs by tens."""
+    fast path on the CPU), round differently. Measured on an H200 with torchvision 0.26: 1.76 grey levels
+    on average (2026-11-26); 2.58 in one batch, 63 at most in a pixel (2026-11-28, after the epoch order
+    changed which images share a batch). The bound is on the mean, with the same batches paired wrongly as
+    the control: a wrong crop, flip, channel order or image differs by tens."""
     index = scan_image_folder(tiny_dataset / "train")
     settings = dict(batch_size=8, image_size=24, min_scale=0.35, workers=2, seed=3)
     settings.update(train=True, drop_last=True)  # the benchmark's training loader
     device_batches = list(NvjpegLoader(index, LoaderSpec(device=DEVICE, **settings)))
     cpu_batches = list(NvjpegLoader(index, LoaderSpec(device="cpu", **settings)))
     assert len(device_batches) == len(cpu_batches) == len(index.samples) // 8
-    for (images, labels), (cpu_images, cpu_labels) in zip(device_batches, cpu_batches):
+    differences, mismatched = [], []
+    for i, ((images, labels), (cpu_images, cpu_labels)) in enumerate(zip(device_batches, cpu_batches)):
         assert images.device.type == DEVICE and images.dtype == torch.uint8 and images.shape == (8, 3, 24, 24)
         assert torch.equal(labels.cpu(), cpu_labels)
-        difference = (images.cpu().float() - cpu_images.float()).abs()
-        assert difference.mean() < 2.5 and difference.max() <= 64, (difference.mean(), difference.max())
+        differences.append((images.cpu().float() - cpu_images.float()).abs().mean().item())
+        other = cpu_batches[(i + 1) % len(cpu_batches)][0]
+        mismatched.append((images.cpu().float() - other.float().flip(-1)).abs().mean().item())
+    assert sum(differences) / len(differences) < 3 and max(differences) < 5, differences
+    assert min(mismatched) > 10, mismatched
 
 
 def test_nvjpeg_pipelined_gives_the_per_image_paths_batches(tiny_dataset):

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow  # runs the GPU window's script, every stage: a mi
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_window.sh"
-STAGES = ["gpu-tests", "e2e-nvjpeg", "e2e-fast", "step-fast", "step-cudagraphs", "e2e-ffcv", "step", "step-padded",
-          "op", "loaders"]
-RESULTS = {"e2e-nvjpeg": "e2e-cpu-window-nvjpeg.json", "e2e-fast": "e2e-cpu-window-fast.json",
+STAGES = ["gpu-tests", "e2e-profile", "loaders", "op", "e2e-fast", "e2e-ffcv", "step-cudagraphs", "e2e-nvjpeg",
+          "step-fast", "step", "step-padded"]
+RESULTS = {"e2e-profile": "e2e-cpu-window-profile.json", "e2e-nvjpeg": "e2e-cpu-window-nvjpeg.json", "e2e-fast": "e2e-cpu-window-fast.json",
            "step-fast": "step-cpu-window-fast.json", "step-cudagraphs": "step-cpu-window-cudagraphs.json",
            "e2e-ffcv": "e2e-cpu-window-ffcv.json", "step": "step-cpu-window-eager.json",
            "step-padded": "step-cpu-window-padded.json", "op": "op-cpu-window.json", "loaders": "loader-cpu-window.json"}
@@ -55,6 +55,7 @@ def test_the_whole_window_rehearses_on_the_cpu(tmp_path):
     for name, settings in SETTINGS.items():
         config = json.loads((tmp_path / "window" / RESULTS[name]).read_text())["config"]
         assert {key: config[key] for key in settings} == settings, name
+    assert (tmp_path / "window" / "e2e-cpu-window-profile-profile.txt").is_file()  # where the loader's time goes
     e2e = json.loads((tmp_path / "window" / RESULTS["e2e-nvjpeg"]).read_text())
     assert e2e["config"]["timing"]["epoch_boundaries_timed"] >= 1  # 6 timed batches, epochs of 4
     with tarfile.open(tmp_path / "window.tar.gz") as archive:  # everything, in the one file a lent machine returns
@@ -79,7 +80,7 @@ def test_the_plan_is_read_before_any_device_time_is_spent(tmp_path):
     assert plan.returncode == 0, plan.stderr
     rows = {line.split()[0]: line for line in plan.stdout.splitlines()[1:]}
     assert list(rows) == STAGES
-    assert "runs" in rows["gpu-tests"] and "skipped unless earlier stages finish early" in rows["loaders"]
+    assert "runs" in rows["gpu-tests"] and "skipped unless earlier stages finish early" in rows["step-padded"]
     if importlib.util.find_spec("ffcv") is None:
         assert "skipped: FFCV" in rows["e2e-ffcv"]
     assert not (tmp_path / "window").exists()  # the plan runs nothing

@@ -56,7 +56,7 @@ def kill_and_resume(data, tmp_path, settings: dict) -> dict:
 
     killed_args = tiny_overrides(data, tmp_path, **settings, **{"train.run_name": "killed"})
     checkpoints = tmp_path / "killed" / "checkpoints"
-    process = subprocess.Popen([FASTANCHOR, "train", *killed_args], start_new_session=True,
+    process = subprocess.Popen([*FASTANCHOR, "train", *killed_args], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         while not (checkpoints / checkpoint_name(1, 2, False)).exists():  # a mid-epoch checkpoint, bank full
