@@ -16,15 +16,16 @@
 # (data.loader=nvjpeg, 100 timed batches a repetition across epoch boundaries) with every setting aimed at 7,000
 # img/s ("fast": train.compile=step, model.stem_channels=8, anchor.kernel=triton:cl, train.cudnn_benchmark=true);
 # end to end with FFCV; the step with CUDA graphs (train.compile=step-cudagraphs); then again what the last window
-# measured: end to end eager, the step fast, eager and with the padded stem alone. The rehearsal traces the compiled stages' one graph without generating code (train.compile_backend=eager:
-# inductor's code is tests/test_step_options.py's, a minute a model on the CPU), CUDA graphs as the compiled step, the
-# op by name as the torch path, the nvJPEG stages with the torchvision loader and FFCV's end to end without the naive
-# arm: what needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages file,
-# results/gpu/window-*/stages.txt) are held against what is left: a stage that would not finish is skipped and says so,
-# and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit status,
-# seconds, or why it was skipped); OUTDIR/window.tar.gz holds everything so far and is rewritten after each stage,
-# so a window cut short still returns what it finished (a lent machine returns at most 8 files: OUTDIR/window.log
-# and the archive).
+# measured: end to end eager, the step fast, eager and with the padded stem alone. The rehearsal traces the compiled
+# stages' one graph without generating code (train.compile_backend=eager: inductor's code is
+# tests/test_step_options.py's, a minute a model on the CPU), CUDA graphs as the compiled step, the op by name as
+# the torch path, the nvJPEG stages with the torchvision loader and FFCV's end to end without the naive arm: what
+# needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages
+# file, results/gpu/window-*/stages.txt) are held against what is left: a stage that would not finish is skipped and
+# says so, and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit
+# status, seconds, or why it was skipped); OUTDIR/window.tar.gz holds everything so far and is rewritten after each
+# stage, so a window cut short still returns what it finished (a lent machine returns at most 8 files:
+# OUTDIR/window.log and the archive).
 #
 # Nothing is built by hand first: fastanchor runs from the checkout (a link named fastanchor on PYTHONPATH where
 # the machine's Python cannot import it), and the only thing the GPU image lacks, FFCV, is installed from the
