@@ -68,7 +68,7 @@ def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
 
 
 def run_cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
-    """The installed `fastanchor` console script in a subprocess."""
+    """fastanchor's command line in a subprocess (FASTANCHOR: the console script, or `python -m fastanchor`)."""
     result = subprocess.run([*FASTANCHOR, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"fastanchor {' '.join(map(str, args))} failed ({result.returncode}):\n{result.stderr[-3000:]}")
