@@ -222,6 +222,10 @@ def decode_limit_case(name: str, blobs: Callable[[], list[bytes]], *, image_size
 # The benchmark
 # --------------------------------------------------------------------------------------------
 
+# each worker process decodes a whole batch while the epoch's first batches are awaited: an epoch's timed batches
+# must be several times the workers for the figure to be the steady rate
+IN_FLIGHT_PER_WORKER = 4
+
 def make_request(options: ImageDataOptions, device: torch.device, *, batch_size: int, image_size: int,
                  recipe: Config) -> LoaderRequest:
     """What every loader of a benchmark is built from: the same images, sizes, workers and seed, and the `recipe`'s
@@ -344,6 +348,11 @@ def run_loader_benchmark(options: LoaderOptions, command: str):
              f"every loader: batch {batch_size}, {image_size} px random-resized-crop (scale "
              f"{min_scale}-1) + flip, {request.workers} workers, one epoch per repetition, first "
              f"{options.warmup_batches} batches of each epoch untimed"]
+    timed = len(request.index) // batch_size - options.warmup_batches
+    if timed < IN_FLIGHT_PER_WORKER * request.workers:
+        notes.append(f"warning: {timed} timed batches an epoch, fewer than {IN_FLIGHT_PER_WORKER} x the "
+                     f"{request.workers} workers: a loader that decodes in worker processes hands over batches "
+                     f"decoded while the untimed ones were awaited, so its figure overstates its rate (more --images)")
     return run_and_write("loader", options, cases=cases, derived=derived, device=device, command=command, notes=notes,
                          config=config, tag=options.tag or options.recipe_tag(),
                          config_extra={"batch_size": batch_size, "image_size": image_size, "min_scale": min_scale,

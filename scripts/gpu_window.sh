@@ -10,16 +10,15 @@
 #
 # Options: --deadline SECONDS (default 560: a 600 s call less start-up and transfers), --device cuda|cpu, --plan.
 #
-# The stages, in order of value (what the GPU issue still asks after the window of 2026-11-28; PREDICTED below says
-# why): the GPU test set with a junit report; end to end with the nvJPEG loader profiled (the loader's wait, the
-# anchoring stage and the step as profiler ranges); the loaders on all cores; the op's kernel variants; end to end
-# (data.loader=nvjpeg, 100 timed batches a repetition across epoch boundaries) with every setting aimed at 7,000
-# img/s ("fast": train.compile=step, model.stem_channels=8, anchor.kernel=triton:cl, train.cudnn_benchmark=true);
-# end to end with FFCV; the step with CUDA graphs (train.compile=step-cudagraphs); then again what the last window
-# measured: end to end eager, the step fast, eager and with the padded stem alone. The rehearsal traces the compiled
-# stages' one graph without generating code (train.compile_backend=eager: inductor's code is
-# tests/test_step_options.py's, a minute a model on the CPU), CUDA graphs as the compiled step, the op by name as
-# the torch path, the nvJPEG stages with the torchvision loader and FFCV's end to end without the naive arm: what
+# The stages, in order of value (what the GPU issue still asks after the windows of 2026-11-28; PREDICTED below says
+# why): the GPU test set with a junit report; the step, then end to end (data.loader=nvjpeg, 100 timed batches a
+# repetition across epoch boundaries), with CUDA graphs (train.compile=step-cudagraphs) and every other setting aimed
+# at 7,000 img/s ("fast": model.stem_channels=8, anchor.kernel=triton:cl, train.cudnn_benchmark=true); end to end
+# with FFCV; end to end eager; end to end profiled (the loader's wait, the anchoring stage and the step as profiler
+# ranges); the loaders on all cores; the op's kernel variants; the step compiled without graphs, eager and with the
+# padded stem alone. The rehearsal traces the compiled stages' one graph without generating code
+# (train.compile_backend=eager: inductor's code is tests/test_step_options.py's, a minute a model on the CPU), CUDA
+# graphs as the compiled step, the op by name as the torch path, the nvJPEG stages with the torchvision loader and FFCV's end to end without the naive arm: what
 # needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages
 # file, results/gpu/window-*/stages.txt) are held against what is left: a stage that would not finish is skipped and
 # says so, and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit
@@ -53,17 +52,21 @@ if [[ -z $out || ($device != cuda && $device != cpu) || ! $deadline =~ ^[0-9]+$ 
 fi
 
 # name: predicted seconds on the GPU and in the CPU rehearsal; the order is the order of value. The GPU figures are
-# what the windows took (results/gpu/window-h200-2026-11-28/: the GPU tests 254 s with the Triton, bank and
-# pseudo-OOD files, which then passed and are left out now; e2e 109 s; e2e-fast cut at 190 s while compiling cold,
-# 84 s warm; step 25 s, op 15 s, step-padded plus step-fast 67 s warm), rounded up. After that window the step meets
-# its target and end to end does not: the anchored compiled step runs well over twice the end-to-end rate, so the
-# loader is what is left, and the stages that say where its time goes (the profile, the loaders on all cores) come
-# first, then the op's variants (the op target), then what was cut short or never run (e2e-fast, FFCV, CUDA graphs).
-STAGES=(gpu-tests e2e-profile loaders op e2e-fast e2e-ffcv step-cudagraphs e2e-nvjpeg step-fast step step-padded)
-declare -A PREDICTED_CUDA=([data]=20 [gpu-tests]=150 [e2e-profile]=60 [loaders]=100 [op]=30 [e2e-fast]=220
-                           [e2e-ffcv]=90 [step-cudagraphs]=150 [e2e-nvjpeg]=115 [step-fast]=90 [step]=45 [step-padded]=40)
-declare -A PREDICTED_CPU=([data]=10 [gpu-tests]=60 [e2e-profile]=20 [loaders]=30 [op]=20 [e2e-fast]=30 [e2e-ffcv]=40
-                          [step-cudagraphs]=20 [e2e-nvjpeg]=30 [step-fast]=20 [step]=20 [step-padded]=20)
+# what the windows took (results/gpu/window-h200-2026-11-28*/stages.txt: the GPU tests 127 s, the profiled e2e 52 s,
+# the loaders 97 s on 4,096 images (now 20,000: a steady rate needs an epoch several times what the workers
+# decode ahead), the op 18 s, e2e fast 247 s compiling cold; the step with CUDA graphs asked for 148 s with 3
+# repetitions, compiling cold), rounded up. After the second window the step meets its target, the profile says
+# end to end is bound on the host (the step's launches and the nvJPEG loader's per-image work share one Python
+# process), and CUDA graphs had never been captured (inductor skipped them: the momentum buffers the step updates
+# were not static inputs; trainer/step.py marks them now and makes a skip an error). So next: the step and end to
+# end with CUDA graphs (fewer host launches is what the profile asks for), FFCV, then e2e eager again, the profile
+# and the loaders (after any loader change), the op, and the step's other settings.
+STAGES=(gpu-tests step-cudagraphs e2e-cudagraphs e2e-ffcv e2e-nvjpeg e2e-profile loaders op step-fast step step-padded)
+declare -A PREDICTED_CUDA=([data]=20 [gpu-tests]=150 [step-cudagraphs]=200 [e2e-cudagraphs]=150 [e2e-ffcv]=90
+                           [e2e-nvjpeg]=115 [e2e-profile]=60 [loaders]=200 [op]=25 [step-fast]=90 [step]=45
+                           [step-padded]=40)
+declare -A PREDICTED_CPU=([data]=10 [gpu-tests]=60 [step-cudagraphs]=20 [e2e-cudagraphs]=30 [e2e-ffcv]=40
+                          [e2e-nvjpeg]=30 [e2e-profile]=20 [loaders]=30 [op]=20 [step-fast]=20 [step]=20 [step-padded]=20)
 predicted() { if [[ $device == cuda ]]; then echo "${PREDICTED_CUDA[$1]}"; else echo "${PREDICTED_CPU[$1]}"; fi; }
 
 WHEELS=${WHEELS:-data/wheels}
@@ -136,7 +139,8 @@ fa=("$PYTHON" -m fastanchor)
 data=/tmp/fastanchor-window-$device/imagenet_shaped
 common=(--device "$device" --out "$raw" --no-progress)
 if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, channels-last, batch 256
-    data_size=(--num-classes 1000 --images-per-class 5) images=(--images 4096) reps=(--repetitions 5)
+    data_size=(--num-classes 1000 --images-per-class 20) images=(--images 4096) reps=(--repetitions 5)
+    loader_images=(--images 20000)  # 78 batches an epoch: several times what 16 worker processes decode ahead
     run=(--set model.name=resnet50 --set data.image_size=176 --set data.batch_size=256 --set train.amp=bf16)
     step_run=(--set data.batch_size=256 --models resnet50@176) op_shape=(--batch-size 256 --image-size 176)
     loader_shape=(--set data.batch_size=256 --set data.image_size=176) tests=(tests/test_gpu.py tests/test_nvjpeg_loader.py
@@ -147,6 +151,7 @@ if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, 
     loaders=torchvision,ffcv,nvjpeg,nvjpeg-per-image
 else  # the rehearsal: the same stages, tiny
     data_size=(--num-classes 8 --images-per-class 4) images=(--images 32) reps=(--repetitions 1 --warmup-rounds 0)
+    loader_images=("${images[@]}")
     run=(--set model.name=fastanchor_resnet_tiny --set data.image_size=32 --set data.batch_size=8)
     step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2) op_shape=(--batch-size 8 --image-size 32)
     loader_shape=(--set data.batch_size=8 --set data.image_size=32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
@@ -160,7 +165,7 @@ fast=(--set train.compile=step --set train.compile_backend="$backend" --set mode
       --set anchor.kernel="$kernel" --set train.cudnn_benchmark=true)
 
 # the JPEGs are written on the CPUs while the GPU runs its tests, unless no stage that reads them could start
-reading=$(for name in e2e-profile e2e-nvjpeg e2e-fast e2e-ffcv loaders; do predicted "$name"; done | sort -n | head -1)
+reading=$(for name in e2e-cudagraphs e2e-ffcv e2e-nvjpeg e2e-profile loaders; do predicted "$name"; done | sort -n | head -1)
 writing=
 if ((deadline - SECONDS >= reading)); then
     "${fa[@]}" bench data --root "$data" "${data_size[@]}" --workers "$(nproc)" --no-progress >"$raw/data.log" 2>&1 &
@@ -168,18 +173,19 @@ if ((deadline - SECONDS >= reading)); then
 fi
 stage gpu-tests "$PYTHON" -m pytest "${tests[@]}" -p no:cacheprovider -q --tb=short -ra --durations=15 \
     --timeout 60 --junitxml="$raw/gpu-tests.xml"
-[[ -z $writing ]] || wait "$writing" || echo "== writing the JPEGs failed: $raw/data.log"
 e2e=("${fa[@]}" bench e2e "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" "${timed[@]}" "${run[@]}")
-stage e2e-profile "${fa[@]}" bench e2e "${common[@]}" --repetitions 1 --warmup-rounds 0 --data "$data/train" \
-    "${images[@]}" "${timed[@]}" "${run[@]}" --loader "$nvjpeg" --no-naive --profile-batches "$profiled" --tag window-profile
-stage loaders "${fa[@]}" bench loader "${common[@]}" "${reps[@]}" --data "$data/train" "${images[@]}" \
-    --loaders "$loaders" "${loader_shape[@]}" --workers "$(nproc)" --tag window
-stage op "${fa[@]}" bench op "${common[@]}" "${reps[@]}" "${op_shape[@]}" "${op_paths[@]}" --step-model none --tag window
-stage e2e-fast "${e2e[@]}" --loader "$nvjpeg" --no-naive "${fast[@]}" --tag window-fast
-stage e2e-ffcv "${e2e[@]}" --loader ffcv "${ffcv_naive[@]}" --tag window-ffcv
 stage step-cudagraphs "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
     --set train.compile="$cudagraphs" --tag window-cudagraphs
+[[ -z $writing ]] || wait "$writing" || echo "== writing the JPEGs failed: $raw/data.log"
+stage e2e-cudagraphs "${e2e[@]}" --loader "$nvjpeg" --no-naive "${fast[@]}" --set train.compile="$cudagraphs" \
+    --tag window-cudagraphs
+stage e2e-ffcv "${e2e[@]}" --loader ffcv "${ffcv_naive[@]}" --tag window-ffcv
 stage e2e-nvjpeg "${e2e[@]}" --loader "$nvjpeg" --no-naive --tag window-nvjpeg
+stage e2e-profile "${fa[@]}" bench e2e "${common[@]}" --repetitions 1 --warmup-rounds 0 --data "$data/train" \
+    "${images[@]}" "${timed[@]}" "${run[@]}" --loader "$nvjpeg" --no-naive --profile-batches "$profiled" --tag window-profile
+stage loaders "${fa[@]}" bench loader "${common[@]}" "${reps[@]}" --data "$data/train" "${loader_images[@]}" \
+    --loaders "$loaders" "${loader_shape[@]}" --workers "$(nproc)" --tag window
+stage op "${fa[@]}" bench op "${common[@]}" "${reps[@]}" "${op_shape[@]}" "${op_paths[@]}" --step-model none --tag window
 stage step-fast "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
     --tag window-fast
 stage step "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --tag window-eager

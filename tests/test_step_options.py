@@ -238,3 +238,22 @@ def test_a_compiled_step_trains_through_the_cli_and_records_its_settings(tiny_da
                                                                  for r in records if "loss" in r)
     written = (tmp_path / "compiled" / "config.yaml").read_text()
     assert "compile: step" in written and "stem_channels: 8" in written and "kernel: torch" in written
+
+
+def test_with_cuda_graphs_the_steps_mutated_inputs_have_fixed_addresses():
+    """Inductor captures a graph as CUDA graphs only when every input the graph updates in place is static (parameters,
+    or marked so): the momentum buffers SGD updates inside the step, and the rates, are marked. Traced here on the CPU
+    with a backend that records what the graph is given; the window's step-cudagraphs stage shows the capture."""
+    (_, _, _, _), (compiled, stage, _, optimizer) = compiled_and_eager("fastanchor_resnet_tiny", 32, "train.amp=off")
+    given = []
+
+    def recorder(graph, example_inputs):
+        given.extend(example_inputs)
+        return graph.forward
+
+    compiled.cudagraphs = True  # what train.compile = step-cudagraphs builds, which the config refuses on the CPU
+    compiled.compiled = torch.compile(compiled._fused, fullgraph=True, backend=recorder)
+    compiled.on(stage, *next(batches(1, 32)))
+    static = {t.data_ptr() for t in given if getattr(t, "_dynamo_static_input_type", None)}
+    buffers = [optimizer.state[p]["momentum_buffer"] for g in optimizer.param_groups for p in g["params"]]
+    assert buffers and all(b.data_ptr() in static for b in buffers + compiled.lrs)

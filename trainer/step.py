@@ -19,6 +19,7 @@ import contextlib
 import copy
 
 import torch
+from torch._inductor import config as inductor_config
 from torch.optim.sgd import sgd as sgd_update
 
 from fastanchor.pipeline.anchoring import AnchoredBatch, AnchoringStage, DrawnBatch
@@ -138,6 +139,9 @@ class CompiledTrainStep(TrainStep):
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
             buffers.append([self.optimizer.state[p]["momentum_buffer"] for p in group["params"]])
+        if self.cudagraphs:  # updated in place at fixed addresses, as the parameters are: else inductor skips CUDA graphs
+            for tensor in [b for group in buffers for b in group if b is not None] + self.lrs:
+                torch._dynamo.mark_static_address(tensor)
         return buffers
 
     def _fused(self, assemble, drawn: DrawnBatch, lrs: list[torch.Tensor], buffers) -> torch.Tensor:
@@ -176,7 +180,10 @@ class CompiledTrainStep(TrainStep):
             self.lrs = [torch.tensor(float(g["lr"]), device=drawn.images.device) for g in groups]
         for lr, group in zip(self.lrs, groups):
             lr.fill_(group["lr"])
-        with torch._dynamo.config.patch(trace_autograd_ops=True):  # torch.autograd.grad inside the graph
+        # torch.autograd.grad inside the graph; asked for CUDA graphs, a graph inductor would not capture is an error,
+        # not a silent fallback to the compiled step
+        with torch._dynamo.config.patch(trace_autograd_ops=True), \
+                inductor_config.patch({"triton.cudagraph_or_error": self.cudagraphs}):
             loss = self.compiled(stage.assemble, drawn, self.lrs, self._momentum_buffers())
         # the update above is the optimizer's step: say so to an LR scheduler, which otherwise warns, at its first
         # step, that it was called before `optimizer.step()` (the flag its wrapper of optimizer.step sets)
