@@ -457,6 +457,10 @@ def evaluate_in_processes(path: Path, overrides, device: torch.device, progress:
     if ev.blt and len(ev.references) < 2:
         raise ConfigError(f"eval.blt needs at least 2 inference reference images; the checkpoint has {len(ev.references)} "
                           "(anchor.inference_references): set eval.blt=false")
+    if anchored and config.eval.shortcut_probe != "off" and len(ev.references) < 2:
+        raise ConfigError(f"eval.shortcut_probe = {config.eval.shortcut_probe!r} swaps each reference for another of the "
+                          f"inference reference set; the checkpoint has {len(ev.references)} "
+                          "(anchor.inference_references): set eval.shortcut_probe=off")
     result = {"checkpoint": str(path), "anchored": anchored, "model": config.model.name, "epoch": state.get("epoch"),
               "references": checkpoint_references(state)}
     recalibrated = recalibrate_batchnorm(model, config, classes, device)

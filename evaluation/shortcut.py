@@ -2,8 +2,8 @@
 residual alone? With a large reference set the model "may overlook the reference and make predictions based solely on
 the residuals"; reference masking is the paper's answer to that.
 
-For each image x with its random reference r (from the checkpoint's inference reference set) and another reference r'
-(the next image's reference in the batch: another training image), the model runs on three inputs:
+For each image x with its random reference r (from the checkpoint's inference reference set R) and another reference
+r' (drawn uniformly from the other references of R, so never r itself, whatever |R|), the model runs on three inputs:
 
   anchored  [r, x - r]    the paper's input
   swapped   [r', x - r]   the reference half replaced, the residual kept: the pair no longer describes x
@@ -30,11 +30,16 @@ def shortcut_probe(model: torch.nn.Module, loader, references: FixedReferenceSet
     """{'top1_anchored', 'top1_swapped', 'top1_masked', 'unchanged_by_swap', 'images'} (percentages) over one pass of
     `loader` (uint8 images, labels); batch k's references drawn with `generator_for(k)` (evaluate's batch_generator:
     the one-reference protocol's draws); `class_subset`: logits restricted to those classes (ImageNet-R's 200)."""
+    if len(references) < 2:
+        raise ValueError(f"the shortcut probe swaps each reference for another of the reference set: it needs 2 or "
+                         f"more, got {len(references)}")
     hits = {"anchored": 0, "swapped": 0, "masked": 0}
     unchanged = seen = 0
     for number, (images, labels) in enumerate(loader):
-        refs = references.references_for(images, generator_for(number))
-        others = refs.roll(1, dims=0)
+        generator = generator_for(number)
+        pool, index = references.pair(images, generator)  # r: the one-reference protocol's draw
+        offset = torch.randint(1, len(references), index.shape, generator=generator).to(index.device)
+        refs, others = pool[index], pool[(index + offset) % len(references)]  # r' != r
         labels = labels.to(images.device)
         keep = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)
         true_pair = anchor(images, refs, keep, IMAGENET_MEAN_255, IMAGENET_STD_255, dtype)

@@ -39,12 +39,15 @@ def float64_probe(model, loader, references, seed):
     std = torch.tensor(IMAGENET_STD_255, dtype=torch.float64).view(1, 3, 1, 1)
     model = model.double()
     hits, unchanged, seen = {"anchored": 0, "swapped": 0, "masked": 0}, 0, 0
+    pool, size = references.images.double(), len(references)
     for number, (images, labels) in enumerate(loader):
-        r = references.references_for(images, torch.Generator().manual_seed(seed + number)).double()
-        x = images.double()
+        generator = torch.Generator().manual_seed(seed + number)  # r uniform over R, then r' uniform over R without r
+        chosen = torch.randint(size, (len(images),), generator=generator)
+        other = (chosen + torch.randint(1, size, (len(images),), generator=generator)) % size
+        r, r_other, x = pool[chosen], pool[other], images.double()
         residual = (x - r) / std
         inputs = {"anchored": torch.cat([(r - mean) / std, residual], 1),
-                  "swapped": torch.cat([(r.roll(1, 0) - mean) / std, residual], 1),
+                  "swapped": torch.cat([(r_other - mean) / std, residual], 1),
                   "masked": torch.cat([torch.zeros_like(r), residual], 1)}
         predicted = {k: model(v).argmax(-1) for k, v in inputs.items()}
         for k in hits:
@@ -71,6 +74,28 @@ def test_the_probe_against_its_float64_definition(channels):
         assert probe["top1_swapped"] == probe["top1_anchored"] == probe["top1_masked"]
 
 
+class ReferenceBrightness(torch.nn.Module):
+    """Class 1 when the reference half is bright, else class 0: reads the reference and nothing else."""
+
+    def forward(self, x):
+        bright = x[:, :3].mean(dim=(1, 2, 3))
+        return torch.stack([-bright, bright], dim=1)
+
+
+def test_the_swapped_reference_is_never_the_reference_itself():
+    """With |R| = 2 (one black, one white reference) every swap gives the other one, so a model that reads only its
+    reference changes every prediction; a swap drawn from the batch's references would keep r about half the time.
+    A set of one reference cannot be swapped: one clear error."""
+    references = FixedReferenceSet(torch.stack([torch.zeros(3, 8, 8), torch.full((3, 8, 8), 255.0)]).to(torch.uint8))
+    loader = batches(count=4, size=16)
+    probe = shortcut_probe(ReferenceBrightness(), loader, references,
+                           generator_for=lambda number: torch.Generator().manual_seed(number))
+    assert probe["images"] == 64 and probe["unchanged_by_swap"] == 0.0
+    with pytest.raises(ValueError, match="needs 2 or more, got 1"):
+        shortcut_probe(ReferenceBrightness(), loader, FixedReferenceSet(references.images[:1]),
+                       generator_for=lambda number: torch.Generator().manual_seed(number))
+
+
 @pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_eval_json_holds_the_probe_of_a_trained_model(tiny_dataset, tmp_path):
     """ID and every shift set; its anchored top-1 is the one-reference protocol's (the same seeded draws, batch by
@@ -90,3 +115,8 @@ def test_eval_json_holds_the_probe_of_a_trained_model(tiny_dataset, tmp_path):
     off = run_main("evaluate", "--checkpoint", tmp_path / "a" / "final.pt", "--json", *sets[:-2],
                    "--set", "eval.shortcut_probe=off")
     assert "shortcut" not in json.loads(off.stdout)
+    assert run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{"train.run_name": "one",
+                                                                         "anchor.inference_references": 1})).returncode == 0
+    one = run_main("evaluate", "--checkpoint", tmp_path / "one" / "final.pt", "--json", *sets)
+    assert one.returncode != 0 and one.stderr.strip().splitlines()[-1].endswith(
+        "the checkpoint has 1 (anchor.inference_references): set eval.shortcut_probe=off"), one.stderr
