@@ -18,8 +18,8 @@
 # ranges); the loaders on all cores; the op's kernel variants; the step compiled without graphs, eager and with the
 # padded stem alone. The rehearsal traces the compiled stages' one graph without generating code
 # (train.compile_backend=eager: inductor's code is tests/test_step_options.py's, a minute a model on the CPU), CUDA
-# graphs as the compiled step, the op by name as the torch path, the nvJPEG stages with the torchvision loader and FFCV's end to end without the naive arm: what
-# needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages
+# graphs as the compiled step, the op by name as the torch path, the nvJPEG stages with the torchvision loader and
+# FFCV's end to end without the naive arm: what needs a GPU, on the CPU. Before each stage its predicted seconds (PREDICTED below, from the last window's stages
 # file, results/gpu/window-*/stages.txt) are held against what is left: a stage that would not finish is skipped and
 # says so, and a running stage is stopped at the deadline. OUTDIR/window/stages.txt has one line a stage (exit
 # status, seconds, or why it was skipped); OUTDIR/window.tar.gz holds everything so far and is rewritten after each
@@ -53,17 +53,18 @@ fi
 
 # name: predicted seconds on the GPU and in the CPU rehearsal; the order is the order of value. The GPU figures are
 # what the windows took (results/gpu/window-h200-2026-11-28*/stages.txt: the GPU tests 127 s, the profiled e2e 52 s,
-# the loaders 97 s on 4,096 images (now 20,000: a steady rate needs an epoch several times what the workers
-# decode ahead), the op 18 s, e2e fast 247 s compiling cold; the step with CUDA graphs asked for 148 s with 3
-# repetitions, compiling cold), rounded up. After the second window the step meets its target, the profile says
-# end to end is bound on the host (the step's launches and the nvJPEG loader's per-image work share one Python
-# process), and CUDA graphs had never been captured (inductor skipped them: the momentum buffers the step updates
-# were not static inputs; trainer/step.py marks them now and makes a skip an error). So next: the step and end to
-# end with CUDA graphs (fewer host launches is what the profile asks for), FFCV, then e2e eager again, the profile
-# and the loaders (after any loader change), the op, and the step's other settings.
+# the loaders 97 s on 4,096 images (now 20,000: a steady rate needs an epoch several times what the workers decode
+# ahead), the op 18 s without the step it is compared with (now with ResNet-50's, which the first op target reads),
+# e2e fast 247 s compiling cold, the step with CUDA graphs asked for 148 s with 3 repetitions compiling cold), rounded
+# up. After the second window the step meets its target, the profile says end to end is bound on the host (the
+# step's launches and the nvJPEG loader's per-image work share one Python process), and CUDA graphs had never been
+# captured (inductor skipped them: the momentum buffers the step updates were not static inputs; trainer/step.py
+# marks them now and makes a skip an error). So next: the step and end to end with CUDA graphs (fewer host launches
+# is what the profile asks for), FFCV, then e2e eager again, the profile and the loaders (after any loader change),
+# the op, and the step's other settings.
 STAGES=(gpu-tests step-cudagraphs e2e-cudagraphs e2e-ffcv e2e-nvjpeg e2e-profile loaders op step-fast step step-padded)
 declare -A PREDICTED_CUDA=([data]=20 [gpu-tests]=150 [step-cudagraphs]=200 [e2e-cudagraphs]=150 [e2e-ffcv]=90
-                           [e2e-nvjpeg]=115 [e2e-profile]=60 [loaders]=200 [op]=25 [step-fast]=90 [step]=45
+                           [e2e-nvjpeg]=115 [e2e-profile]=60 [loaders]=200 [op]=50 [step-fast]=90 [step]=45
                            [step-padded]=40)
 declare -A PREDICTED_CPU=([data]=10 [gpu-tests]=60 [step-cudagraphs]=20 [e2e-cudagraphs]=30 [e2e-ffcv]=40
                           [e2e-nvjpeg]=30 [e2e-profile]=20 [loaders]=30 [op]=20 [step-fast]=20 [step]=20 [step-padded]=20)
@@ -153,7 +154,8 @@ else  # the rehearsal: the same stages, tiny
     data_size=(--num-classes 8 --images-per-class 4) images=(--images 32) reps=(--repetitions 1 --warmup-rounds 0)
     loader_images=("${images[@]}")
     run=(--set model.name=fastanchor_resnet_tiny --set data.image_size=32 --set data.batch_size=8)
-    step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2) op_shape=(--batch-size 8 --image-size 32)
+    step_run=(--set data.batch_size=8 --models fastanchor_resnet_tiny@32 --steps 2)
+    op_shape=(--batch-size 8 --image-size 32 --step-model none)
     loader_shape=(--set data.batch_size=8 --set data.image_size=32) tests=(tests/test_gpu.py -k "dispatcher or augmix")
     nvjpeg=torchvision kernel=torch cudagraphs=step timed=(--batches 6) backend=eager profiled=2
     ffcv_naive=(--no-naive)  # its second FFCV loader compiles FFCV's pipeline again; tests/test_benchmarks.py has the arm
@@ -185,7 +187,7 @@ stage e2e-profile "${fa[@]}" bench e2e "${common[@]}" --repetitions 1 --warmup-r
     "${images[@]}" "${timed[@]}" "${run[@]}" --loader "$nvjpeg" --no-naive --profile-batches "$profiled" --tag window-profile
 stage loaders "${fa[@]}" bench loader "${common[@]}" "${reps[@]}" --data "$data/train" "${loader_images[@]}" \
     --loaders "$loaders" "${loader_shape[@]}" --workers "$(nproc)" --tag window
-stage op "${fa[@]}" bench op "${common[@]}" "${reps[@]}" "${op_shape[@]}" "${op_paths[@]}" --step-model none --tag window
+stage op "${fa[@]}" bench op "${common[@]}" "${reps[@]}" "${op_shape[@]}" "${op_paths[@]}" --tag window
 stage step-fast "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" "${fast[@]}" \
     --tag window-fast
 stage step "${fa[@]}" bench step "${common[@]}" "${reps[@]}" "${step_run[@]}" --tag window-eager
