@@ -240,6 +240,7 @@ def test_a_compiled_step_trains_through_the_cli_and_records_its_settings(tiny_da
     assert "compile: step" in written and "stem_channels: 8" in written and "kernel: torch" in written
 
 
+@pytest.mark.slow  # Dynamo traces the demo model's whole step: over 5 s here
 def test_with_cuda_graphs_the_steps_mutated_inputs_have_fixed_addresses():
     """Inductor captures a graph as CUDA graphs only when every input the graph updates in place is static (parameters,
     or marked so): the momentum buffers SGD updates inside the step, and the rates, are marked. Traced here on the CPU
