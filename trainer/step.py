@@ -138,10 +138,9 @@ class CompiledTrainStep(TrainStep):
                 state = self.optimizer.state[parameter]
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                if self.cudagraphs:  # updated in place at a fixed address (a loaded state brings new ones each time)
+                    torch._dynamo.mark_static_address(state["momentum_buffer"])
             buffers.append([self.optimizer.state[p]["momentum_buffer"] for p in group["params"]])
-        if self.cudagraphs:  # updated in place at fixed addresses, as the parameters are: else inductor skips CUDA graphs
-            for tensor in [b for group in buffers for b in group if b is not None] + self.lrs:
-                torch._dynamo.mark_static_address(tensor)
         return buffers
 
     def _fused(self, assemble, drawn: DrawnBatch, lrs: list[torch.Tensor], buffers) -> torch.Tensor:
@@ -178,6 +177,9 @@ class CompiledTrainStep(TrainStep):
         groups = self.optimizer.param_groups
         if self.lrs is None:
             self.lrs = [torch.tensor(float(g["lr"]), device=drawn.images.device) for g in groups]
+            if self.cudagraphs:  # filled in place below: fixed addresses, as the momentum buffers have
+                for lr in self.lrs:
+                    torch._dynamo.mark_static_address(lr)
         for lr, group in zip(self.lrs, groups):
             lr.fill_(group["lr"])
         # torch.autograd.grad inside the graph; asked for CUDA graphs, a graph inductor would not capture is an error,
