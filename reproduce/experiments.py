@@ -85,10 +85,13 @@ AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; 
 
 
 def augmentation(setup: Setup, arm: str, value) -> list[str]:
-    """Figure 5a's augmentation, on the torchvision loader where the setup's loader has no per-image policies (FFCV)."""
+    """Figure 5a's augmentation, on the torchvision loader where the setup's loader has no per-image policies (FFCV),
+    for the setup's policy_epochs where it sets them (all but geometric)."""
     policy = dict(o.split("=", 1) for o in AUGMENTATIONS[value])["augment.auto_augment"]
     loader = resolved_training(arm_overrides(setup, arm)[0], tuple(setup.train)).data.loader
-    return AUGMENTATIONS[value] + (["data.loader=torchvision"] if policy not in loader_entry(loader).policies() else [])
+    own_loader = [] if policy in loader_entry(loader).policies() else ["data.loader=torchvision"]
+    longer = [f"train.epochs={setup.policy_epochs}"] if setup.policy_epochs and value != "geometric" else []
+    return AUGMENTATIONS[value] + own_loader + longer
 
 
 def label_noise(setup: Setup, arm: str, value) -> list[str]:
@@ -243,7 +246,8 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
 
                     def training(by: Experiment, name: str, arm=arm, value=value) -> list[str]:
                         train = [*setup.train, *arm_overrides(setup, arm)[1], *by.overrides(setup, arm, value)]
-                        if setup.epochs or setup.small_epochs:
+                        own_epochs = any(o.startswith("train.epochs=") for o in train)  # fig5a's policies on hard
+                        if (setup.epochs or setup.small_epochs) and not own_epochs:
                             train.append(f"train.epochs={setup.epochs or by.small_epochs}")
                         return train + [f"train.seed={seed}", f"train.out_dir={Path(out) / by.name}",
                                         f"train.run_name={name}", f"train.device={device}",

@@ -48,7 +48,8 @@
 #   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
 #                    shortcut probe   about 70 min
 #   fig5a-hard-sK, fig5b-hard-sK   at three values each on hard (geometric and 0% noise are tab1's): 9 runs
-#                    about 90 min a seed
+#                    about 90 min a seed; fig5a's TrivialAugment and PixMix train 150 epochs there (masking 200:
+#                    reproduce/scales.py HARD_POLICY_EPOCHS), about 150 min a seed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}

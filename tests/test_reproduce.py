@@ -23,10 +23,10 @@ import yaml
 from conftest import TINY_SPEC, run_cli, run_main
 from fastanchor.errors import ConfigError
 from fastanchor.reproduce.aggregate import PAPER_NUMBERS, paper_numbers
-from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan, same_training
+from fastanchor.reproduce.experiments import ARMS, EXPERIMENTS, plan, resolved_training, same_training
 from fastanchor.reproduce.record import readme, regenerate
 from fastanchor.reproduce.runs import View
-from fastanchor.reproduce.scales import TINY_EMBEDDED
+from fastanchor.reproduce.scales import HARD_EPOCHS, HARD_POLICY_EPOCHS, TINY_EMBEDDED
 from fastanchor.reproduce.sweep import execute
 from fastanchor.trainer.config import load_config
 
@@ -103,7 +103,8 @@ def test_dry_run_at_paper_scale_prints_commands_that_parse(experiment, scale, tm
 def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path):
     """fig1's standard runs, fig5a's geometric cells, fig5b's noiseless cells and tab4's alpha 0 and 0.25 train in tab1's
     folder (shares_training) and are hard-linked into their own, so a sweep of both trains each model once; a run
-    whose resolved training differs (another |R|, alpha, noise or epoch count) trains its own."""
+    whose resolved training differs (another |R|, alpha, noise or epoch count) trains its own. On hard, fig5a's
+    per-image policies train HARD_POLICY_EPOCHS (masking its equal labelled steps), geometric tab1's HARD_EPOCHS."""
     out = str(tmp_path / "out")
     tab1 = {r.name: r.train for r in plan(EXPERIMENTS["tab1"], "small", "", out, only_setups=("hard",))[0]}
     shared = {"fig1": lambda r: r.arm == "standard", "fig5a": lambda r: r.value == "geometric",
@@ -117,6 +118,10 @@ def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path)
             if is_tab1s(run):  # tab4's alpha 0 is tab1's anchored arm (equal labelled steps change nothing there)
                 arm = "anchored" if (experiment, run.value) == ("tab4", 0.0) else run.arm
                 assert run.train == tab1[trained.name] and trained.name == f"hard-{arm}-s{run.seed}"
+    for run in plan(EXPERIMENTS["fig5a"], "small", "", out, only_setups=("hard",))[0]:  # the policies train longer
+        epochs = resolved_training(run.recipe, run.train).train.epochs
+        policy_epochs = HARD_EPOCHS if run.value == "geometric" else HARD_POLICY_EPOCHS
+        assert epochs == (round(policy_epochs / 0.75) if run.arm == "masking" else policy_epochs), run.name
     recipe = "configs/demo.yaml"
     assert same_training(recipe, ["anchor.alpha=0.25", "train.out_dir=a"], ["train.out_dir=b", "train.run_name=x"])
     assert not same_training(recipe, ["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
