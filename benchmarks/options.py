@@ -176,7 +176,7 @@ class LoaderOptions(ImageDataOptions, RunConfig):
 data.image_size (the first-epoch resolution), data.min_scale, crop, flip, policy and FFCV order. Without --config:
 the built-in settings at 176 px, batch 64 on CPU, 256 on CUDA. --workers is the measurement's own (docs/benchmarks.md)."""
 
-    loaders: str = option("ffcv,torchvision,webdataset,dali", "loaders to compare, comma-separated: any of data.loader's, or nvjpeg-per-image")
+    loaders: str = option("ffcv,torchvision,webdataset,dali", "loaders to compare, comma-separated: any of data.loader's, or nvjpeg-pinned, nvjpeg-per-image")
 
     def checks(self):
         return super().checks() + [("loaders", bool(names_list(self.loaders)), "one or more loader names")]
@@ -234,7 +234,7 @@ crop, flip and policy, the model at its first-epoch resolution, batch size, opti
 masking (anchor.alpha, anchor.mask_level) and precision. Without --config: fastanchor_resnet_tiny at 64 px, batch 64 and
 FFCV on CPU; resnet50 at 176 px, batch 256 and nvJPEG on CUDA."""
 
-    loader: str = option("", "loader measured: any of data.loader's, or nvjpeg-per-image ('': see below)")
+    loader: str = option("", "loader measured: any of data.loader's, or nvjpeg-pinned, nvjpeg-per-image ('': see below)")
     batches: int = option(0, "timed batches per repetition, the loader's epochs following each other (0: 12 on CPU, 100 on CUDA)")
     naive: bool = option(True, "also measure the naive design: references decoded by a second loader")
     profile_batches: int = option(0, "then profile this many anchored batches (torch.profiler table beside the result; 0: none)")

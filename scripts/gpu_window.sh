@@ -64,7 +64,7 @@ fi
 # the op, and the step's other settings.
 STAGES=(gpu-tests step-cudagraphs e2e-cudagraphs e2e-ffcv e2e-nvjpeg e2e-profile loaders op step-fast step step-padded)
 declare -A PREDICTED_CUDA=([data]=20 [gpu-tests]=150 [step-cudagraphs]=200 [e2e-cudagraphs]=150 [e2e-ffcv]=90
-                           [e2e-nvjpeg]=115 [e2e-profile]=60 [loaders]=200 [op]=50 [step-fast]=90 [step]=45
+                           [e2e-nvjpeg]=115 [e2e-profile]=60 [loaders]=230 [op]=50 [step-fast]=90 [step]=45
                            [step-padded]=40)
 declare -A PREDICTED_CPU=([data]=10 [gpu-tests]=60 [step-cudagraphs]=20 [e2e-cudagraphs]=30 [e2e-ffcv]=40
                           [e2e-nvjpeg]=30 [e2e-profile]=20 [loaders]=30 [op]=20 [step-fast]=20 [step]=20 [step-padded]=20)
@@ -149,7 +149,7 @@ if [[ $device == cuda ]]; then  # the issue's setting: ResNet-50, 176 px, bf16, 
     nvjpeg=nvjpeg kernel=triton:cl cudagraphs=step-cudagraphs timed=(--batches 100) backend=inductor ffcv_naive=()
     profiled=30
     op_paths=(--paths triton,triton:strided,triton:cl,triton:cl-small,triton:cl-big,triton:cl-rcp,torch)
-    loaders=torchvision,ffcv,nvjpeg,nvjpeg-per-image
+    loaders=torchvision,ffcv,nvjpeg,nvjpeg-pinned,nvjpeg-per-image
 else  # the rehearsal: the same stages, tiny
     data_size=(--num-classes 8 --images-per-class 4) images=(--images 32) reps=(--repetitions 1 --warmup-rounds 0)
     loader_images=("${images[@]}")

@@ -141,7 +141,7 @@ def test_imagenet_shaped_dataset_matches_its_plan_and_manifest(tmp_path):
 def test_loader_benchmark(tiny_dataset, results, tmp_path):
     result = bench("loader", *COMMON, "--data", tiny_dataset / "train", "--images", 32, "--set", "data.batch_size=4",
                    "--set", "data.image_size=32", "--workers", 2, "--warmup-batches", 1,
-                   "--loaders", "ffcv,torchvision,webdataset,dali,nvjpeg,nvjpeg-per-image", "--ffcv-cache", tmp_path,
+                   "--loaders", "ffcv,torchvision,webdataset,dali,nvjpeg,nvjpeg-pinned,nvjpeg-per-image", "--ffcv-cache", tmp_path,
                    "--shard-size", 10, "--shards-cache", tmp_path / "wds", "--out", results)
     found = cases(result)
     assert result["benchmark"] == "loader" and result["environment"]["cpu_count"] >= 1
@@ -152,8 +152,8 @@ def test_loader_benchmark(tiny_dataset, results, tmp_path):
     for name in ("ffcv", "torchvision", "webdataset", "decode limit (files, x2)", "decode limit (.beton, x2)",
                  "decode in parallel (.beton, 2 processes)"):
         check_recorded(found[name])
-    assert found["nvjpeg"]["status"] == "not available" and "CUDA" in found["nvjpeg"]["reason"]
-    assert found["nvjpeg-per-image"]["status"] == "not available" and "CUDA" in found["nvjpeg-per-image"]["reason"]
+    for name in ("nvjpeg", "nvjpeg-pinned", "nvjpeg-per-image"):
+        assert found[name]["status"] == "not available" and "CUDA" in found[name]["reason"]
     assert found["dali"]["status"] in ("ok", "not available")  # DALI comes in its own module
     # every epoch: 8 batches of 4, one untimed -> 28 images per repetition; 7 timed batches are too few for 2 workers
     assert any(note.startswith("warning: 7 timed batches an epoch, fewer than 4 x the 2 workers")

@@ -124,15 +124,17 @@ def test_nvjpeg_decodes_as_libjpeg_turbo_does(tiny_dataset):
 
 def test_nvjpeg_pipelined_gives_the_per_image_paths_batches(tiny_dataset):
     """The pipelined path (decode and crops ahead on a thread and stream of their own, the crops resized in float
-    and rounded once per batch) against the per-image path on the same device: the same pixels, bit for bit."""
+    and rounded once per batch), with the files' buffer pageable and page-locked (`pinned`), against the per-image
+    path on the same device: the same pixels, bit for bit."""
     index = scan_image_folder(tiny_dataset / "train")
     settings = dict(batch_size=8, image_size=24, min_scale=0.35, workers=2, seed=3, train=True, drop_last=True)
     per_image = list(NvjpegLoader(index, LoaderSpec(device=DEVICE, **settings)))
-    pipelined = list(NvjpegLoader(index, LoaderSpec(device=DEVICE, **settings), pipelined=True))
-    assert len(per_image) == len(pipelined) == len(index.samples) // 8
-    for (images, labels), (piped, piped_labels) in zip(per_image, pipelined):
-        assert piped.device.type == DEVICE and piped.is_contiguous(memory_format=torch.channels_last)
-        assert torch.equal(labels, piped_labels) and torch.equal(images, piped)
+    for pinned in (False, True):
+        pipelined = list(NvjpegLoader(index, LoaderSpec(device=DEVICE, **settings), pipelined=True, pinned=pinned))
+        assert len(per_image) == len(pipelined) == len(index.samples) // 8
+        for (images, labels), (piped, piped_labels) in zip(per_image, pipelined):
+            assert piped.device.type == DEVICE and piped.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(labels, piped_labels) and torch.equal(images, piped), pinned
 
 
 def read_jsonl(path):

@@ -42,9 +42,9 @@ def test_a_bad_setting_is_one_line_naming_it(bad, named):
 
 def test_the_registry_names_the_loaders_training_selects_four_of_them_and_others_are_refused(tiny_dataset):
     assert list(registry.LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "dali-webdataset", "memory", "nvjpeg",
-                                      "nvjpeg-per-image"]
+                                      "nvjpeg-pinned", "nvjpeg-per-image"]
     assert list(registry.TRAINING_LOADERS) == ["torchvision", "ffcv", "dali", "webdataset", "dali-webdataset", "memory",
-                                               "nvjpeg"]  # the per-image path: benchmarks
+                                               "nvjpeg"]  # the pinned and per-image paths: benchmarks
     assert [name for name in registry.LOADERS if registry.reads_shards(name)] == ["webdataset", "dali-webdataset"]
     assert registry.shard_loaders() == "data.loader=webdataset or data.loader=dali-webdataset"
     with pytest.raises(ConfigError, match="loader 'tfrecord': expected one of torchvision, ffcv, dali, webdataset, dali-webdataset, memory, nvjpeg, "):

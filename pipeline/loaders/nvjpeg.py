@@ -118,9 +118,13 @@ class NvjpegLoader:
     (`spec.train`): the epoch's order and each sample's random-resized crop (area scale >= min_scale) and flip (unless
     `hflip` is off) a function of (seed, epoch, sample); evaluation: every sample in order, resized and centre-cropped
     by `crop_ratio`. The spec's batch_size, drop_last, workers and shard (rank, world_size). `pipelined` prepares
-    `prefetch` batches ahead on a thread (and CUDA stream) of its own; both paths give the same batches."""
+    `prefetch` batches ahead on a thread (and CUDA stream) of its own; both paths give the same batches. `pinned`
+    (CUDA only; the benchmarks' `nvjpeg-pinned`) has the DataLoader copy each batch's files into page-locked memory,
+    so that the decoder's copies of them to the device need not stage through pageable memory (the profile of the
+    second GPU window counted 256 pageable host-to-device copies a batch)."""
 
-    def __init__(self, index: ImageFolderIndex, spec: LoaderSpec, *, pipelined: bool = False, prefetch: int = 2):
+    def __init__(self, index: ImageFolderIndex, spec: LoaderSpec, *, pipelined: bool = False, prefetch: int = 2,
+                 pinned: bool = False):
         spec = checked_spec(spec)
         spec.require_policy(("none",), "the nvJPEG loader only crops and flips; use data.loader=torchvision or dali")
         if spec.train and spec.crop != "random_resized":
@@ -140,7 +144,8 @@ class NvjpegLoader:
                                  drop_last=spec.drop_last, num_workers=workers, persistent_workers=workers > 0,
                                  collate_fn=_bytes_in_one_buffer if pipelined else _keep_bytes_apart,
                                  generator=torch.Generator().manual_seed(spec.seed),
-                                 prefetch_factor=4 if workers > 0 else None)
+                                 prefetch_factor=4 if workers > 0 else None,
+                                 pin_memory=pinned and self.device.type == "cuda")
 
     def __len__(self) -> int:
         return len(self.loader)
