@@ -16,8 +16,8 @@ Two paths give the same batches for a seed (docs/notes/nvjpeg_loader_gpu.md has 
 - pipelined (`pipelined=True`, `nvjpeg`, what training selects): a batch's files one buffer from the workers; the
   decode and the crops run `prefetch` (2) batches ahead on a thread of their own and, on CUDA, on a
   stream of their own, the step's stream waiting on an event; per image only the crop's resize is
-  launched (the float cast and the resize torchvision runs on CUDA), the flips, rounding and the
-  channels-last layout once per batch.
+  launched (the float cast and the resize torchvision runs on CUDA, the resize writing into the batch), the flips,
+  rounding and the channels-last layout once per batch.
 
 On the CPU the same code decodes with libjpeg-turbo (the decoders' CPU path), which is how the
 tests exercise it. Why TorchCodec: docs/loaders.md.
@@ -223,8 +223,9 @@ class NvjpegLoader:
             crop = image[:, top:top + height, left:left + width]
             if (height, width) == (s, s):  # torchvision returns such a crop as it is
                 batch[i] = crop
-            elif float_resize:  # torchvision's resize of uint8 on CUDA: float, antialiased bilinear, round, cast
-                batch[i] = upsample(crop.reshape(1, 3, height, width).to(torch.float32), [s, s], False, None)[0]
+            elif float_resize:  # torchvision's resize of uint8 on CUDA: float, antialiased bilinear (written in place
+                #                   into the batch: no copy launched per image), round, cast
+                upsample(crop.reshape(1, 3, height, width).to(torch.float32), [s, s], False, None, out=batch[i:i + 1])
             else:
                 batch[i] = F.resize(crop, [s, s], antialias=True)
         if flips.any():
