@@ -245,8 +245,9 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
                     trainer = EXPERIMENTS[experiment.trained_by] if experiment.trained_by else experiment
 
                     def training(by: Experiment, name: str, arm=arm, value=value) -> list[str]:
-                        train = [*setup.train, *arm_overrides(setup, arm)[1], *by.overrides(setup, arm, value)]
-                        own_epochs = any(o.startswith("train.epochs=") for o in train)  # fig5a's policies on hard
+                        own = by.overrides(setup, arm, value)
+                        train = [*setup.train, *arm_overrides(setup, arm)[1], *own]
+                        own_epochs = any(o.startswith("train.epochs=") for o in own)  # fig5a's policies on hard
                         if (setup.epochs or setup.small_epochs) and not own_epochs:
                             train.append(f"train.epochs={setup.epochs or by.small_epochs}")
                         return train + [f"train.seed={seed}", f"train.out_dir={Path(out) / by.name}",
