@@ -17,6 +17,7 @@ from fastanchor.reproduce.extract import metrics_of, natural
 from fastanchor.reproduce.runs import Experiment, Run
 from fastanchor.reproduce.steps import Train
 from fastanchor.reproduce.verdicts import rules, verdicts
+from fastanchor.trainer.checkpoint.run_folder import RunFolder
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
 
@@ -131,6 +132,10 @@ def summarise(rows: list[dict], entries: list[dict], setup_papers: dict[str, str
 
 
 def training_of(run: Run, out: Path) -> dict | None:
-    """Whether the run's training had plateaued (convergence.py), from its metrics.jsonl; None without one."""
+    """Whether the run's training had plateaued (convergence.py), from its metrics.jsonl (and whether it trained on
+    noisy labels: label_noise.json beside it); None without one."""
     trained = [step for step in run.all_steps(out) if isinstance(step, Train)]
-    return plateau_of(epoch_records(Path(trained[0].output).parent / "metrics.jsonl")) if trained else None
+    if not trained:
+        return None
+    folder = RunFolder(Path(trained[0].output).parent)
+    return plateau_of(epoch_records(folder.metrics), noisy=folder.label_noise.is_file())

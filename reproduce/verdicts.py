@@ -4,7 +4,10 @@ here (why)", for each claim an experiment's block of paper_numbers/<paper>.yaml 
 A claim names a comparison: `arm` - `against` on `metric` (at the swept `value`, where the experiment sweeps one),
 paired by seed within each setup, and the paper's own effect for it (`paper_effect`: a number typed from the paper's
 text with its source, or `{from: <table>, setup: <the paper's setup>}`: the difference of that table's typed rows,
-c_mean being the mean of the typed severities). The rule, the same for every claim (the file's `verdict_rule`):
+c_mean being the mean of the typed severities). A claim may count only the seeds from `seeds_from` on, per setup:
+those trained after a revision of the plateau rule that changed how its runs are read (fig5b: revision 3), so that
+no verdict rests on a run read by a rule written after it was seen. The rule, the same for every claim (the file's
+`verdict_rule`):
 
 - not decidable here, when fewer than `min_pairs` seeds have both arms; when any of those runs had not plateaued
   (convergence.py), or its convergence was not recorded; or, for a detector's metric (an AUROC: `chance`), when
@@ -96,9 +99,12 @@ def t_quantile(confidence: float, dof: int) -> float:
 
 
 def _pairs(result: dict, setup: str, claim: dict) -> list[tuple[int, dict, dict]]:
+    first = (claim.get("seeds_from") or {}).get(setup, 0)  # the claim's first seed on the setup (module docstring)
+
     def rows(arm: str, value) -> dict[int, dict]:
         return {r["seed"]: r for r in result.get("runs", []) if r["setup"] == setup and r["arm"] == arm
-                and (value is None or str(r["value"]) == str(value)) and claim["metric"] in r["metrics"]}
+                and r["seed"] >= first and (value is None or str(r["value"]) == str(value))
+                and claim["metric"] in r["metrics"]}
 
     mine = rows(claim["arm"], claim.get("value"))
     theirs = rows(claim["against"], claim.get("against_value", claim.get("value")))
@@ -162,7 +168,9 @@ def judged(result: dict, setups: list[str], rule: dict, claims: list[dict], pape
             differences = [a["metrics"][claim["metric"]] - b["metrics"][claim["metric"]] for _, a, b in pairs]
             unconverged = unfinished([row for _, a, b in pairs for row in (a, b)])
             verdict, reason, numbers = judge(differences, effect, unconverged, rule, below_chance(pairs, claim, rule))
-            out.append({"claim": claim["claim"], "setup": setup, "comparison": comparison(claim),
+            first = (claim.get("seeds_from") or {}).get(setup)
+            out.append({"claim": claim["claim"], "setup": setup,
+                        "comparison": comparison(claim) + (f" from seed {first} on" if first else ""),
                         "paper_effect": round(effect, 3), "paper_source": source, "verdict": verdict,
                         "reason": reason, "rule_version": rule.get("version", 1), **numbers})
     return out

@@ -864,9 +864,16 @@ def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
     at least one run at small scale (a renamed setup or value would plan none, silently)."""
     script = (Path(__file__).resolve().parents[1] / "scripts" / "decisive_small.sh").read_text()
     lines = re.sub(r"&&\n\s*", "&& ", script).splitlines()  # a stage's second command continues its line
-    calls = [shlex.split(call.replace("$s", seed)) for line in lines if line.strip().startswith("want ")
-             for seed in (("0", "1", "2") if "$s" in line else ("",)) for call in line.split("&& run ")[1:]]
-    assert len(calls) >= 34 and {"tab3-r18-s2", "shortcut-demo-rest", "fig5b-hard-s2"} <= {name for name, *_ in calls}
+    calls, seeds = [], ("",)
+    for line in lines:
+        if line.startswith("for s in "):  # a seeded stage's loop: its seeds
+            seeds = tuple(line.split(";")[0].split()[3:])
+        elif line.strip().startswith("want "):
+            calls += [shlex.split(call.replace("$s", seed)) for seed in (seeds if "$s" in line else ("",))
+                      for call in line.split("&& run ")[1:]]
+    names = {name for name, *_ in calls}
+    assert len(calls) >= 35 and {"tab3-r18-s2", "shortcut-demo-rest", "fig5b-hard-s3"} <= names
+    assert "fig5a-hard-s3" not in names
     for name, experiment, *args in calls:
         options = dict(zip(args[::2], args[1::2]))
         first, seeds = int(options.get("--first-seed", 0)), int(options.get("--seeds", 0))

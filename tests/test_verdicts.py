@@ -3,13 +3,14 @@
 computation of the interval (scipy's t-test confidence interval)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
 from fastanchor.reproduce.convergence import FIRST_PLATEAU, PLATEAU, epoch_records, plateau_of
-from fastanchor.reproduce.experiments import EXPERIMENTS
+from fastanchor.reproduce.experiments import EXPERIMENTS, plan
 from fastanchor.reproduce.verdicts import FIRST_RULE, judge, line, paper_effect, rules, verdicts
 
 RULE = {"version": 2, "confidence": 0.95, "fraction": 0.5, "min_pairs": 3, "chance": {"auroc": 50.0}}
@@ -101,7 +102,7 @@ def test_plateau_rule_on_epoch_records(tmp_path):
     climbing = [{"epoch": e, "val_top1": 50 + 2 * e, "train_loss": 2.0 - 0.05 * e} for e in range(1, 13)]
     flat = [{"epoch": e, "val_top1": min(90.0, 60 + 5 * e), "train_loss": max(0.3, 2.0 - 0.3 * e)} for e in range(1, 13)]
     assert plateau_of(climbing) == {"epochs": 12, "window": 3, "top1_gain": 6.0, "loss_fall": pytest.approx(0.15),
-                                    "converged": False}
+                                    "converged": False, "revision": 3}
     near_zero = [{"epoch": e, "val_top1": 99.9, "train_loss": 0.02 * 0.9 ** e} for e in range(1, 13)]
     assert plateau_of(near_zero)["converged"] is True  # a 27% relative fall of a loss near zero is not learning left
     assert plateau_of(flat)["converged"] is True
@@ -130,6 +131,64 @@ def test_the_plateau_reads_the_unmasked_loss_through_a_line():
     older = [{k: v for k, v in r.items() if k != "train_loss_unmasked"} for r in records]  # not recorded: the whole loss
     assert plateau_of(older)["loss_fall"] == pytest.approx(-10 * np.polyfit(x, [r["train_loss"] for r in window], 1)[0],
                                                            abs=1e-3)
+
+
+def test_a_run_on_noisy_labels_is_read_on_id_top1_alone():
+    """Revision 3 (convergence.py): a run trained on noisy labels whose training loss keeps falling as it memorises
+    the wrong labels, while ID top-1 stands still, has plateaued; the same epochs without noise have not, and a
+    noisy run still gaining ID top-1 has not either. The reading names its revision; revision 1's rule reads the
+    noisy run on its loss as before."""
+    memorising = [{"epoch": e, "val_top1": 60.0 + 0.1 * (e % 2), "train_loss": 1.2 - 0.03 * e} for e in range(1, 41)]
+    noisy = plateau_of(memorising, noisy=True)
+    assert noisy["converged"] is True and noisy["read_on"] == "top1" and noisy["revision"] == 3
+    assert noisy["loss_fall"] == pytest.approx(0.03 * 10, abs=1e-6)  # still recorded: 0.3 nats over 10 epochs
+    clean = plateau_of(memorising)
+    assert clean["converged"] is False and "read_on" not in clean
+    assert plateau_of(memorising, FIRST_PLATEAU, noisy=True)["converged"] is False
+    learning = [{**r, "val_top1": 40.0 + 0.5 * r["epoch"]} for r in memorising]  # 5 points over the last quarter
+    assert plateau_of(learning, noisy=True)["converged"] is False
+    assert "a run trained on noisy labels, on ID top-1 alone" in PLATEAU.text()
+
+
+def test_a_reproduce_run_is_read_as_noisy_where_its_training_flipped_labels(tmp_path):
+    """aggregate.training_of reads a run as trained on noisy labels from the label_noise.json its training wrote
+    (trainer/checkpoint/run_folder.py) beside metrics.jsonl: fig5b's 20% run on ID top-1 alone, its 0% run (tab1's
+    training) on its loss too."""
+    from fastanchor.reproduce.aggregate import training_of
+    from fastanchor.reproduce.steps import Train
+
+    runs, _ = plan(EXPERIMENTS["fig5b"], "small", "", str(tmp_path), seeds=1, only_setups=("hard",))
+    memorising = [{"epoch": e, "val_top1": 60.0, "train_loss": 1.2 - 0.03 * e} for e in range(1, 41)]
+    readings = {}
+    for run in (r for r in runs if r.arm == "standard"):
+        folder = Path(next(s for s in run.all_steps(str(tmp_path)) if isinstance(s, Train)).output).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in memorising))
+        if run.value:
+            (folder / "label_noise.json").write_text("{}")
+        readings[run.value] = training_of(run, tmp_path)
+    assert readings[20]["converged"] is True and readings[20]["read_on"] == "top1"
+    assert readings[0]["converged"] is False and "read_on" not in readings[0]
+
+
+def test_a_claim_counts_only_the_seeds_it_names_from():
+    """fig5b's claim counts the seeds trained after plateau revision 3 (`seeds_from`): a kept row of an earlier seed
+    that had not plateaued neither counts nor blocks the verdict; with too few later seeds, the rule needs more."""
+    claim = {"claim": "masking beats anchored", "arm": "masking", "against": "anchored", "metric": "c_mean",
+             "paper_effect": {"number": 4.0, "source": "hand-made"}, "seeds_from": {"demo": 1}}
+    rows = result("tab1", [80.0, 81.5, 80.7, 81.0], [76.0, 76.9, 77.1, 76.2])
+    rows["runs"][0]["training"] = rows["runs"][4]["training"] = {"converged": False}  # seed 0 of both arms
+    rows.update(verdict_rule=RULE, claims=[claim])
+    v = verdicts(rows)[0]
+    differences = [81.5 - 76.9, 80.7 - 77.1, 81.0 - 76.2]
+    low, high = stats.ttest_1samp(differences, 0.0).confidence_interval(0.95)
+    assert v["verdict"] == "reproduces" and v["pairs"] == 3 and v["comparison"].endswith("from seed 1 on")
+    assert (v["low"], v["high"]) == (pytest.approx(low, abs=1e-3), pytest.approx(high, abs=1e-3))
+    rows["claims"] = [{**claim, "seeds_from": {"demo": 2}}]
+    assert "2 paired seed(s): the rule needs 3" in verdicts(rows)[0]["reason"]
+    rows["claims"] = [{k: x for k, x in claim.items() if k != "seeds_from"}]  # every seed: seed 0 blocks it
+    assert "had not plateaued (demo-anchored-s0, demo-masking-s0)" in verdicts(rows)[0]["reason"]
+    assert rules("fig5b")[1][0]["seeds_from"] == {"hard": 1, "demo": 6}
 
 
 def test_a_record_is_judged_by_the_rule_it_was_aggregated_with():
