@@ -98,8 +98,13 @@ def t_quantile(confidence: float, dof: int) -> float:
     return float(t.ppf(0.5 + confidence / 2, dof))
 
 
+def first_seed(claim: dict, setup: str) -> int:
+    """The claim's first counted seed on `setup` (`seeds_from`, module docstring); 0: every seed."""
+    return (claim.get("seeds_from") or {}).get(setup, 0)
+
+
 def _pairs(result: dict, setup: str, claim: dict) -> list[tuple[int, dict, dict]]:
-    first = (claim.get("seeds_from") or {}).get(setup, 0)  # the claim's first seed on the setup (module docstring)
+    first = first_seed(claim, setup)
 
     def rows(arm: str, value) -> dict[int, dict]:
         return {r["seed"]: r for r in result.get("runs", []) if r["setup"] == setup and r["arm"] == arm
@@ -168,7 +173,7 @@ def judged(result: dict, setups: list[str], rule: dict, claims: list[dict], pape
             differences = [a["metrics"][claim["metric"]] - b["metrics"][claim["metric"]] for _, a, b in pairs]
             unconverged = unfinished([row for _, a, b in pairs for row in (a, b)])
             verdict, reason, numbers = judge(differences, effect, unconverged, rule, below_chance(pairs, claim, rule))
-            first = (claim.get("seeds_from") or {}).get(setup)
+            first = first_seed(claim, setup)
             out.append({"claim": claim["claim"], "setup": setup,
                         "comparison": comparison(claim) + (f" from seed {first} on" if first else ""),
                         "paper_effect": round(effect, 3), "paper_source": source, "verdict": verdict,
