@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.fastanchor-installed
 APT_PACKAGES := libopencv-dev libturbojpeg0-dev pkg-config chromium chromium-driver
-# one pytest worker per core, each test file on one worker (its module fixtures built once); PARALLEL= runs serially
-PARALLEL ?= -n auto --dist loadfile
+# one pytest worker per core, each test file on one worker (its module fixtures built once), the files in the order
+# tests/conftest.py gives them (longest first; xdist would otherwise order them by their number of tests); PARALLEL= runs serially
+PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test test-fast setup clean

@@ -37,13 +37,14 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 
 # the files that take the suite longest (`make test ARGS=--durations=0`, summed per file), longest first
-LONGEST_FILES = ("test_distributed.py", "test_gpu_window.py", "test_reproduce.py", "test_recipes.py",
-                 "test_docs_examples.py", "test_webdataset.py", "test_end_to_end.py", "test_benchmarks.py")
+LONGEST_FILES = ("test_reproduce.py", "test_distributed.py", "test_gpu_window.py", "test_recipes.py",
+                 "test_webdataset.py", "test_end_to_end.py", "test_docs_examples.py", "test_benchmarks.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(items):
-    """The longest files run first: under `make test` (one file to a worker) the workers start with them and end
-    the suite together on short files, instead of one worker finishing a long file alone."""
+    """The longest files run first: under `make test` (one file to a worker, in this order: --no-loadscope-reorder)
+    the workers start with them and end the suite together on short files, instead of one worker finishing a long
+    file alone (the GPU window's rehearsal, 100 s, ran last and alone while xdist put the files with most tests first)."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the order stays otherwise
 

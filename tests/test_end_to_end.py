@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_cli, tiny_overrides
+from conftest import run_cli, run_main, tiny_overrides
 
 
 def read_jsonl(path):
@@ -15,9 +15,10 @@ def read_jsonl(path):
 @pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
     for kind, enabled in (("standard", "false"), ("anchored", "true")):
-        run_cli("train", *tiny_overrides(tiny_dataset, tmp_path, **{
+        trained = run_main("train", *tiny_overrides(tiny_dataset, tmp_path, **{  # in this process: start-up once
             "anchor.enabled": enabled, "train.run_name": kind, "train.epochs": 2, "train.log_interval": 1,
             "anchor.alpha": 0.5, "optim.ema_decay": 0.9}))
+        assert trained.returncode == 0, trained.stderr[-3000:]
         run = tmp_path / kind
         records = read_jsonl(run / "metrics.jsonl")
         epochs = [r for r in records if "val_top1" in r]
@@ -33,7 +34,8 @@ def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
         if kind == "anchored":
             assert any(r["masked"] for r in steps) and not all(r["masked"] for r in steps)
 
-    printed = run_cli("evaluate", "--checkpoint", tmp_path / "anchored" / "final.pt").stdout  # a summary, not eval.json
+    # the console script in its own process, as a user runs it: a summary, not eval.json
+    printed = run_cli("evaluate", "--checkpoint", tmp_path / "anchored" / "final.pt").stdout
     result = json.loads((tmp_path / "anchored" / "eval.json").read_text())
     assert printed.startswith(f"eval.json written to {tmp_path / 'anchored' / 'eval.json'}") and len(printed.splitlines()) < 12
     assert f"ID: top-1 {result['id']['top1']:.2f}%" in printed and "anomaly rejection, ood: AUROC energy" in printed
@@ -47,8 +49,9 @@ def test_standard_and_anchored_training_through_the_cli(tiny_dataset, tmp_path):
 
 @pytest.mark.slow  # over 5 s: make test runs it, make test-fast does not
 def test_demo_prints_and_writes_the_side_by_side_table(tiny_dataset, tmp_path):
-    result = run_cli("demo", "--out-dir", tmp_path / "runs", *tiny_overrides(tiny_dataset, tmp_path / "ignored"),
-                     "--set", "finetune_ood.steps=2", "--set", "data.far_ood_split=ood_textures")
+    result = run_main("demo", "--out-dir", tmp_path / "runs", *tiny_overrides(tiny_dataset, tmp_path / "ignored"),
+                      "--set", "finetune_ood.steps=2", "--set", "data.far_ood_split=ood_textures")
+    assert result.returncode == 0, result.stderr[-3000:]
     demo_dir = next((tmp_path / "runs").iterdir())
     summary = (demo_dir / "summary.md").read_text()
     header = "| metric | standard | anchored |"
