@@ -187,12 +187,10 @@ def device_description() -> str:
 
 
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(8, 4.5))
+    figure = Figure(figsize=(8, 4.5))
+    axis = figure.subplots()
     for name, result in record["loaders"].items():
         steps = [s["step"] for s in result["samples"]]
         tree, anon = (result[f"{key}_slope_per_1000_steps"] for key in ("anon_tree_mib", "anon_main_mib"))
@@ -208,7 +206,6 @@ def plot(record: dict, path: Path) -> None:
     axis.legend(fontsize=7)
     figure.tight_layout()
     atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=120))
-    plt.close(figure)
 
 
 def settings(options: SoakOptions, config: Config) -> dict:

@@ -257,14 +257,12 @@ def demo_block(results_dir: Path, link) -> str:
 
 
 def chart(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     keys = [("id_top1", "ID top-1 (%)"), ("highest_severity_top1", f"severity {result.get('highest_severity')} mean top-1 (%)")]
     keys = [(k, label) for k, label in keys if k in result["summary"][result["arms"][0]]]
-    figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
+    figure = Figure(figsize=(5 * len(keys), 3.8))
+    axes = figure.subplots(1, len(keys), squeeze=False)
     arms = result["arms"]
     for axis, (key, label) in zip(axes[0], keys):
         stats = [result["summary"][arm][key] for arm in arms]
@@ -278,7 +276,6 @@ def chart(result: dict, path: Path) -> None:
     figure.suptitle(f"fidelity on {result['environment']['device_name']}: mean ± std, dots = seeds (grey: control)", fontsize=9)
     figure.tight_layout()
     atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=110))
-    plt.close(figure)
 
 
 def write_json(path: Path, value: dict) -> None:

@@ -154,10 +154,7 @@ def bars_panel(ax, view: View, metric: str, groups: list[dict], arms: list[str],
 def figure(result: dict, view: View, path: Path, whole: dict[str, int] | None = None) -> None:
     """result.png: a panel per setup and metric (rows_of, panels_of) drawn as `view`'s plot kind says; `whole`:
     each setup's training-set size, where the swept value 'whole' sits on a curve's x axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     summary = [g for g in result["summary"] if not view.plot_arms or re.fullmatch(view.plot_arms, g["arm"])]
     present = sorted({k for g in summary for k in g["metrics"]}, key=natural)
@@ -167,7 +164,8 @@ def figure(result: dict, view: View, path: Path, whole: dict[str, int] | None = 
     panels = panels_of(view, setups, present)
     rows = rows_of(panels)
     width = max(len(r) for r in rows)
-    fig, axes = plt.subplots(len(rows), width, figsize=(max(5.2 * width, 8.0), 4.2 * len(rows)), squeeze=False)
+    fig = Figure(figsize=(max(5.2 * width, 8.0), 4.2 * len(rows)))
+    axes = fig.subplots(len(rows), width, squeeze=False)
     for i, row in enumerate(rows):
         for ax in axes[i][len(row):]:
             ax.set_visible(False)
@@ -188,5 +186,4 @@ def figure(result: dict, view: View, path: Path, whole: dict[str, int] | None = 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path.with_suffix(".tmp.png"), dpi=110)
-    plt.close(fig)
     path.with_suffix(".tmp.png").replace(path)

@@ -759,12 +759,11 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
                       "scale": "small", "std": "", "missing": [], "axis": "|R|"}, EXPERIMENTS["fig1"].view)
     assert ("- had not plateaued (no verdict is drawn from them): demo-anchored-whole-s0 (ID top-1 +1.50 points, "
             "training loss -0.020 over its last 8 epochs)") in table
-    import matplotlib.pyplot as plt
-    figure, axes = plt.subplots()
+    from matplotlib.figure import Figure
+    axes = Figure().subplots()
     curve_panel(axes, merged["summary"], "c_mean", ["standard", "anchored"], {"standard": "k", "anchored": "C0"}, "|R|",
                 True, 5000, trained_epochs(merged))
     labels = axes.get_legend_handles_labels()[1]
-    plt.close(figure)
     assert "Anchored (alpha 0) (an earlier record's schedule)" in labels and "Anchored (alpha 0)" in labels
 
 
