@@ -13,8 +13,10 @@ recipe's own sections are merged over it, key by key. An ``about:`` mapping desc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import typing
 from pathlib import Path
 
@@ -50,10 +52,16 @@ def _scalar(kind, value, choices):
     return value
 
 
+@functools.cache
+def declared_types(section_cls: type) -> dict[str, object]:
+    """A section's declared option types, its string annotations resolved once (not once per value set)."""
+    return typing.get_type_hints(section_cls)
+
+
 def coerce_value(key: str, value, f: dataclasses.Field, section_cls: type):
     """`value` as the type the option declares (`list[float]`: a list whose every item is a float; one value for a
     list option is a list of one); ConfigError naming the key, the type and the value otherwise."""
-    kind = typing.get_type_hints(section_cls)[f.name]
+    kind = declared_types(section_cls)[f.name]
     origin = typing.get_origin(kind) or kind
     choices = f.metadata.get("choices")
     if origin is list:
@@ -81,11 +89,15 @@ def parse_override(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' is not of the form section.key=value")
     key, raw = text.split("=", 1)
+    return key.strip(), copy.deepcopy(_override_value(raw))
+
+
+@functools.lru_cache(maxsize=4096)  # a sweep's plan sets the same values thousands of times
+def _override_value(raw: str) -> object:
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        return yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+        return raw
 
 
 RESERVED_KEYS = ("base", "about")  # recipe-file keys that are not config sections
@@ -128,13 +140,20 @@ def merge_mappings(base: dict, override: dict) -> dict:
     return merged
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed_recipe(path: Path, modified_ns: int, size: int):
+    """A recipe file's YAML, parsed once while the file is unchanged (its time and size are part of the key)."""
+    return read_yaml(path, "recipe", ConfigError) or {}
+
+
 def read_recipe(recipe: str, relative_to: Path | None = None, _chain: tuple[Path, ...] = ()) -> dict:
     """The recipe's mapping with its bases merged in (``base`` removed; ``about`` kept)."""
     path = resolve_recipe(recipe, relative_to).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
         raise ConfigError(f"recipe '{path}' is its own base: {cycle}")
-    mapping = read_yaml(path, "recipe", ConfigError) or {}
+    stat = path.stat()
+    mapping = copy.deepcopy(_parsed_recipe(path, stat.st_mtime_ns, stat.st_size))
     if not isinstance(mapping, dict):
         raise ConfigError(f"recipe '{path}': expected a mapping of sections (data:, model:, ...), got {type(mapping).__name__}")
     bases = mapping.pop("base", [])
