@@ -200,7 +200,8 @@ def setups(scale: str, data: str) -> dict[str, Setup]:
         root = data or "data/reproduce_tiny"
         embedded = tuple(f"embedded.{k}={v}" for k, v in TINY_EMBEDDED.items())
         train = (f"data.root={root}", "data.batch_size=16", "data.eval_batch_size=32", "data.workers=0",
-                 "train.epochs=1", "anchor.inference_references=8", "anchor.mask_level=batch", *embedded)
+                 "train.epochs=1", "anchor.inference_references=8", "anchor.mask_level=batch",
+                 "augment.pixmix_pictures=8", *embedded)  # (the default 512 take PixMix's runs 5 s to generate)
         whole = TINY_EMBEDDED["num_classes"] * TINY_EMBEDDED["train_per_class"]
         return {"tiny": Setup("tiny", "CIFAR-10 ResNet-18", "demo", "demo", 0.25, whole, train, ood_split=True,
                               max_images=16, few=True)}
