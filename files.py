@@ -121,7 +121,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def read_yaml(path: Path, what: str, error: type[Exception] = DataError):
     """The YAML content of `path`, or one `error` line naming it: missing, not UTF-8, not valid YAML, a key twice."""
-    text = read_text(path, what, error)
+    return parse_yaml(read_text(path, what, error), path, what, error)
+
+
+def parse_yaml(text: str, path: Path, what: str, error: type[Exception] = DataError):
+    """`text`, read from `path`, as YAML; errors as read_yaml's."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as problem:

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from fastanchor.errors import ConfigError
-from fastanchor.files import read_yaml
+from fastanchor.files import parse_yaml, read_text
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "demo"  # what `fastanchor train` and the commands with --config use without one
@@ -141,9 +141,9 @@ def merge_mappings(base: dict, override: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _parsed_recipe(path: Path, modified_ns: int, size: int):
-    """A recipe file's YAML, parsed once while the file is unchanged (its time and size are part of the key)."""
-    return read_yaml(path, "recipe", ConfigError) or {}
+def _parsed_recipe(text: str, path: Path):
+    """A recipe file's YAML, parsed once for each content it has had (a sweep's plan reads its recipes thousands of times)."""
+    return parse_yaml(text, path, "recipe", ConfigError) or {}
 
 
 def read_recipe(recipe: str, relative_to: Path | None = None, _chain: tuple[Path, ...] = ()) -> dict:
@@ -152,8 +152,7 @@ def read_recipe(recipe: str, relative_to: Path | None = None, _chain: tuple[Path
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
         raise ConfigError(f"recipe '{path}' is its own base: {cycle}")
-    stat = path.stat()
-    mapping = copy.deepcopy(_parsed_recipe(path, stat.st_mtime_ns, stat.st_size))
+    mapping = copy.deepcopy(_parsed_recipe(read_text(path, "recipe", ConfigError), path))
     if not isinstance(mapping, dict):
         raise ConfigError(f"recipe '{path}': expected a mapping of sections (data:, model:, ...), got {type(mapping).__name__}")
     bases = mapping.pop("base", [])

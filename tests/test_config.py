@@ -98,6 +98,18 @@ def test_augment_hflip_defaults_to_true_and_reads_yaml_booleans(tmp_path):
     assert load_config(str(recipe)).augment.hflip is False
 
 
+def test_a_recipe_rewritten_at_once_is_read_as_it_is_now_and_a_loaded_config_is_its_own(tmp_path):
+    """Recipes are parsed once per content (options/recipes.py): a file rewritten within the same clock tick, at the
+    same size, still reads anew; and a value one config was given is not shared with the next load."""
+    recipe = tmp_path / "quick.yaml"
+    for epochs in (3, 4):
+        recipe.write_text(f"base: demo\ntrain:\n  epochs: {epochs}\n")
+        assert load_config(str(recipe)).train.epochs == epochs
+    first = load_config(str(recipe), ["eval.severities=[1, 5]"])
+    first.eval.severities.append(2)
+    assert load_config(str(recipe), ["eval.severities=[1, 5]"]).eval.severities == [1, 5]
+
+
 def test_unknown_recipe_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="unknown recipe 'nope'"):
         load_config("nope")
