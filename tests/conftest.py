@@ -76,11 +76,13 @@ def run_cli(*args, cwd=None, check=True) -> subprocess.CompletedProcess:
     return result
 
 
-def run_main(*args) -> subprocess.CompletedProcess:
-    """The same CLI entry point in this process (saves the interpreter start-up per call)."""
+def run_main(*args, check=False) -> subprocess.CompletedProcess:
+    """The same CLI entry point in this process (saves the interpreter start-up per call); `check` as run_cli's."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
+    if check and code != 0:
+        raise AssertionError(f"fastanchor {' '.join(map(str, args))} failed ({code}):\n{err.getvalue()[-3000:]}")
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

@@ -5,7 +5,6 @@ read (their `base:` chain) and how `option()` fields become flags: options/."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import math
 import re
@@ -15,8 +14,8 @@ from dataclasses import dataclass, field
 from fastanchor.errors import ConfigError, check_all
 from fastanchor.options.flags import Overrides
 from fastanchor.options.option import option
-from fastanchor.options.recipes import (DEFAULT_RECIPE, coerce_value, parse_override, read_recipe, resolve_recipe,
-                                        unknown_key)
+from fastanchor.options.recipes import (DEFAULT_RECIPE, coerce_value, declared_types, parse_override, read_recipe,
+                                        resolve_recipe, unknown_key)
 from fastanchor.pipeline.loaders.registry import TRAINING_LOADERS
 
 
@@ -250,13 +249,11 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
-@functools.cache  # (read, never changed: resolving the annotations was a third of a dry run's time)
 def _section_classes() -> dict[str, type]:
-    hints = typing.get_type_hints(Config)
+    hints = declared_types(Config)
     return {name: hints[name] for name in SECTIONS}
 
 
-@functools.cache
 def _field_types(section_cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section_cls)}
 
