@@ -2,7 +2,8 @@
 
 `atomic_path` hands out a temporary file beside the target (`.<name>.<random>.tmp`) to write, then fsyncs
 it, renames it over the target and fsyncs the directory; `atomic_write_bytes` writes it through a file
-object. Checkpoints, result files, reports, manifests and .beton files are all written this way.
+object. Checkpoints, result files, reports, manifests, charts (`write_figure`) and .beton files are all written
+this way.
 
 `read_json`, `read_yaml` and `read_npz` read what the program did not just write itself (results, scores, recipes,
 records): a missing, torn, foreign or non-UTF-8 file is one error line naming it, never a traceback.
@@ -64,6 +65,11 @@ def atomic_write_bytes(path: Path, write) -> None:
     """Call `write(file_object)` on a temporary file beside `path`, then as `atomic_path`."""
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         write(handle)
+
+
+def write_figure(path: Path, figure, dpi: int = 110) -> None:
+    """Save a matplotlib Figure as a PNG at `path`, as `atomic_write_bytes` (every chart and figure is written so)."""
+    atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=dpi))
 
 
 def link_file(source: Path, target: Path) -> None:

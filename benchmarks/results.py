@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from fastanchor.environment import device_tag, git_commit
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, write_figure
 
 SCHEMA = "fastanchor-bench-v1"
 REQUIRED = ("schema", "benchmark", "created", "command", "environment", "config", "repetitions", "warmup_rounds",
@@ -197,7 +197,7 @@ def chart(result: dict, path: Path) -> None:
     figure.suptitle(f"{result['benchmark']} on {env['device_name']} (median, min-max of {result['repetitions']})",
                     fontsize=10)
     figure.tight_layout()
-    atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=110))
+    write_figure(path, figure)
 
 
 def write_result(result: dict, out_dir: str | Path, tag: str = "") -> dict[str, Path]:

@@ -36,7 +36,7 @@ import torch
 from fastanchor.benchmarks.options import SoakOptions, names_list
 from fastanchor.benchmarks.train_step import TrainingSetup, derived_config
 from fastanchor.errors import ConfigError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, write_figure
 from fastanchor.progress import progress_bar
 from fastanchor.trainer.build import ensure_dataset, make_stage, split_index, train_loader
 from fastanchor.trainer.config import Config
@@ -205,7 +205,7 @@ def plot(record: dict, path: Path) -> None:
                    f"{record['settings']['image_size']} px; slope fitted right of the grey line", fontsize=9)
     axis.legend(fontsize=7)
     figure.tight_layout()
-    atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=120))
+    write_figure(path, figure, dpi=120)
 
 
 def settings(options: SoakOptions, config: Config) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fastanchor.errors import DataError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, write_figure
 
 SCHEMA = "fastanchor-fidelity-v1"
 CONTROL_OF = {"standard": "control-standard", "vanilla": "control-vanilla", "masking": "control"}
@@ -275,7 +275,7 @@ def chart(result: dict, path: Path) -> None:
         axis.set_ylim(0, 100)
     figure.suptitle(f"fidelity on {result['environment']['device_name']}: mean ± std, dots = seeds (grey: control)", fontsize=9)
     figure.tight_layout()
-    atomic_write_bytes(path, lambda handle: figure.savefig(handle, format="png", dpi=110))
+    write_figure(path, figure)
 
 
 def write_json(path: Path, value: dict) -> None:

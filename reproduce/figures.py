@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastanchor.files import write_figure
 from fastanchor.reproduce.experiments import WHOLE
 from fastanchor.reproduce.extract import natural, pick
 from fastanchor.reproduce.runs import View
@@ -184,6 +185,4 @@ def figure(result: dict, view: View, path: Path, whole: dict[str, int] | None = 
             ax.legend(fontsize=7)
     fig.suptitle(textwrap.fill(f"{result['experiment']} ({result['scale']} scale): {result['title']}", 110), fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path.with_suffix(".tmp.png"), dpi=110)
-    path.with_suffix(".tmp.png").replace(path)
+    write_figure(path, fig)
