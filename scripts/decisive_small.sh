@@ -44,13 +44,17 @@
 #                    models: 3 runs   about 50 min a seed with AMX, 115 without
 #   fig1-r18-sK      |R| 50 and whole on demo_resnet18 (standard is tab1's), then the shortcut probe: 5 runs
 #                    about 100 min a seed with AMX, over two hours without (run its four trainings over two sessions:
-#                    a killed piece resumes where it stopped while runs/ is kept)
+#                    a killed piece resumes where it stopped while runs/ is kept). On an AMD EPYC with AVX2 alone
+#                    (no AVX-512) bf16 runs under 10 img/s (not 20 steps of 128 in 250 s): not on such a machine
 #   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
 #                    shortcut probe   about 70 min
 #   fig5a-hard-sK, fig5b-hard-sK   at three values each on hard (geometric and 0% noise are tab1's): 9 runs
 #                    about 90 min a seed; fig5a's TrivialAugment and PixMix train 150 epochs there (masking 200:
 #                    reproduce/scales.py HARD_POLICY_EPOCHS), about 150 min a seed. fig5b runs seeds 0-3: its verdict
 #                    counts seeds 1-3, those trained after plateau revision 3 (seed 0 was read before it)
+#   fig5a-hard-sK-POLICY   one policy of one seed (geometric, trivialaugment or pixmix): 3 runs, for a session
+#                    whose runs/ does not outlive it, on a machine where a seed's three policies take longer than it
+#                    (an AMD EPYC with AVX2 alone: about 720 img/s for standard with TrivialAugment)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}
@@ -66,9 +70,9 @@ stage=${1:-all}
 stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard tab4-demo er "
 stages+="fig5a-demo fig5b-demo fig1-demo-rest "
 seeded=" tab1-r18 fig1-r18 fig5a-hard fig5b-hard "  # also STAGE-s0, -s1, -s2 (fig5b-hard: and -s3)
-[[ "$stages$seeded" == *" $stage "* || ($seeded == *" ${stage%-s[012]} "* && $stage == *-s[012]) || $stage == fig5b-hard-s3 ]] ||
-    { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages${seeded# }or one of the last four with -s0, -s1 or -s2; fig5b-hard-s3)" >&2; exit 2; }
-want() { [[ $stage == all || $stage == "$1" || $1 == "$stage"-s[0-9] ]]; }
+[[ "$stages$seeded" == *" $stage "* || ($seeded == *" ${stage%-s[012]} "* && $stage == *-s[012]) || $stage == fig5b-hard-s3 || $stage =~ ^fig5a-hard-s[012]-(geometric|trivialaugment|pixmix)$ ]] ||
+    { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages${seeded# }or one of the last four with -s0, -s1 or -s2; fig5b-hard-s3; fig5a-hard-sK-geometric, -trivialaugment or -pixmix)" >&2; exit 2; }
+want() { [[ $stage == all || $stage == "$1" || $1 == "$stage"-s[0-9] || $1 == "$stage"-s[0-9]-* || ($stage == *-s[0-9] && $1 == "$stage"-*) ]]; }
 want tab1-hard && run tab1-hard tab1 --setups hard --seeds 6
 want tab3-hard && run tab3-hard tab3 --setups hard --seeds 6
 want tab1-demo && run tab1-demo tab1 --setups demo --seeds 6 --first-seed 3
@@ -92,8 +96,13 @@ for s in 0 1 2; do
 done
 want fig1-demo-rest && run fig1-demo-rest fig1 --setups demo --values 5,10,500 --first-seed 3 &&
     run shortcut-demo-rest shortcut --setups demo --values 5,500 --first-seed 3
-for s in 0 1 2; do
-    want fig5a-hard-s$s && run fig5a-hard-s$s fig5a --setups hard --first-seed $s --seeds 1
+for s in 0 1 2; do  # a seed's policies also one at a time (fig5a-hard-sK-pixmix): a whole seed outlasts a session
+    want fig5a-hard-s$s-geometric &&
+        run fig5a-hard-s$s-geometric fig5a --setups hard --values geometric --first-seed $s --seeds 1
+    want fig5a-hard-s$s-trivialaugment &&
+        run fig5a-hard-s$s-trivialaugment fig5a --setups hard --values trivialaugment --first-seed $s --seeds 1
+    want fig5a-hard-s$s-pixmix &&
+        run fig5a-hard-s$s-pixmix fig5a --setups hard --values pixmix --first-seed $s --seeds 1
 done
 for s in 0 1 2 3; do  # fig5b's verdict on hard counts seeds 1-3 (plateau revision 3, reproduce/convergence.py)
     want fig5b-hard-s$s && run fig5b-hard-s$s fig5b --setups hard --first-seed $s --seeds 1
