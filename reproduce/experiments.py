@@ -86,11 +86,12 @@ AUGMENTATIONS = {  # fig5a: the paper's Geometric, RandAug, TrivialAug, PixMix; 
 
 def augmentation(setup: Setup, arm: str, value) -> list[str]:
     """Figure 5a's augmentation, on the torchvision loader where the setup's loader has no per-image policies (FFCV),
-    for the setup's policy_epochs where it sets them (all but geometric)."""
+    for the setup's policy_epochs where it names the policy."""
     policy = dict(o.split("=", 1) for o in AUGMENTATIONS[value])["augment.auto_augment"]
     loader = resolved_training(arm_overrides(setup, arm)[0], tuple(setup.train)).data.loader
     own_loader = [] if policy in loader_entry(loader).policies() else ["data.loader=torchvision"]
-    longer = [f"train.epochs={setup.policy_epochs}"] if setup.policy_epochs and value != "geometric" else []
+    epochs = dict(setup.policy_epochs).get(value)
+    longer = [f"train.epochs={epochs}"] if epochs else []
     return AUGMENTATIONS[value] + own_loader + longer
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -104,7 +105,7 @@ def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path)
     """fig1's standard runs, fig5a's geometric cells, fig5b's noiseless cells and tab4's alpha 0 and 0.25 train in tab1's
     folder (shares_training) and are hard-linked into their own, so a sweep of both trains each model once; a run
     whose resolved training differs (another |R|, alpha, noise or epoch count) trains its own. On hard, fig5a's
-    per-image policies train HARD_POLICY_EPOCHS (masking its equal labelled steps), geometric tab1's HARD_EPOCHS."""
+    per-image policies train their HARD_POLICY_EPOCHS (masking its equal labelled steps), geometric tab1's HARD_EPOCHS."""
     out = str(tmp_path / "out")
     tab1 = {r.name: r.train for r in plan(EXPERIMENTS["tab1"], "small", "", out, only_setups=("hard",))[0]}
     shared = {"fig1": lambda r: r.arm == "standard", "fig5a": lambda r: r.value == "geometric",
@@ -120,8 +121,8 @@ def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path)
                 assert run.train == tab1[trained.name] and trained.name == f"hard-{arm}-s{run.seed}"
     for run in plan(EXPERIMENTS["fig5a"], "small", "", out, only_setups=("hard",))[0]:  # the policies train longer
         epochs = resolved_training(run.recipe, run.train).train.epochs
-        policy_epochs = HARD_EPOCHS if run.value == "geometric" else HARD_POLICY_EPOCHS
-        assert epochs == (round(policy_epochs / 0.75) if run.arm == "masking" else policy_epochs), run.name
+        policy_epochs = dict(HARD_POLICY_EPOCHS, geometric=HARD_EPOCHS)[run.value]
+        assert epochs == (math.ceil(policy_epochs / 0.75) if run.arm == "masking" else policy_epochs), run.name  # rounded up
     recipe = "configs/demo.yaml"
     assert same_training(recipe, ["anchor.alpha=0.25", "train.out_dir=a"], ["train.out_dir=b", "train.run_name=x"])
     assert not same_training(recipe, ["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
