@@ -49,12 +49,13 @@
 #   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
 #                    shortcut probe   about 70 min
 #   fig5a-hard-sK, fig5b-hard-sK   at three values each on hard (geometric and 0% noise are tab1's): 9 runs
-#                    about 90 min a seed; fig5a's TrivialAugment and PixMix train 150 epochs there (masking 200:
-#                    reproduce/scales.py HARD_POLICY_EPOCHS), about 150 min a seed. fig5b runs seeds 0-3: its verdict
-#                    counts seeds 1-3, those trained after plateau revision 3 (seed 0 was read before it)
+#                    about 90 min a seed; fig5a's TrivialAugment trains 150 epochs there (masking 200) and PixMix
+#                    250 (masking 334: reproduce/scales.py HARD_POLICY_EPOCHS), about 4 h a seed. fig5b runs seeds
+#                    0-3: its verdict counts seeds 1-3, those trained after plateau revision 3 (seed 0 was read before)
 #   fig5a-hard-sK-POLICY   one policy of one seed (geometric, trivialaugment or pixmix): 3 runs, for a session
 #                    whose runs/ does not outlive it, on a machine where a seed's three policies take longer than it
-#                    (an AMD EPYC with AVX2 alone: about 720 img/s for standard with TrivialAugment)
+#                    (an AMD EPYC with AVX2 alone: about 720 img/s for standard with TrivialAugment; there -pixmix
+#                    takes about 2.5 h, -trivialaugment 90 min, -geometric under an hour with runs/ empty)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FASTANCHOR=${FASTANCHOR:-.venv/bin/fastanchor}
