@@ -121,8 +121,8 @@ def test_a_run_whose_training_is_tab1s_is_trained_once_in_tab1s_folder(tmp_path)
                 assert run.train == tab1[trained.name] and trained.name == f"hard-{arm}-s{run.seed}"
     for run in plan(EXPERIMENTS["fig5a"], "small", "", out, only_setups=("hard",))[0]:  # the policies train longer
         epochs = resolved_training(run.recipe, run.train).train.epochs
-        policy_epochs = dict(HARD_POLICY_EPOCHS, geometric=HARD_EPOCHS)[run.value]
-        assert epochs == (math.ceil(policy_epochs / 0.75) if run.arm == "masking" else policy_epochs), run.name  # rounded up
+        policy_epochs = dict(HARD_POLICY_EPOCHS, geometric=HARD_EPOCHS)[run.value]  # masking's rounded up
+        assert epochs == (math.ceil(policy_epochs / 0.75) if run.arm == "masking" else policy_epochs), run.name
     recipe = "configs/demo.yaml"
     assert same_training(recipe, ["anchor.alpha=0.25", "train.out_dir=a"], ["train.out_dir=b", "train.run_name=x"])
     assert not same_training(recipe, ["train.epochs=60", "train.out_dir=a"], ["train.epochs=30", "train.out_dir=b"])
