@@ -8,8 +8,10 @@ GPU value of the issue's target configuration (ResNet-50, 176 px, bf16, channels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastanchor.errors import ConfigError
+from fastanchor.files import output_folder
 from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import OnDevice, Overrides
 from fastanchor.pipeline.loaders.registry import LOADERS, TRAINING_LOADERS
@@ -109,6 +111,9 @@ class CommonOptions(BenchRun, Written):
     seed: int = option(0, "seed of data order, crops, weights, references and masking")
 
     def checks(self) -> list[tuple[str, bool, str]]:
+        output_folder(Path(self.out), "--out")  # before anything is measured, not when the results are written
+        if self.record:
+            output_folder(Path(self.record), "--record")
         return [
             ("repetitions", self.repetitions >= 1, "at least 1"),
             ("warmup_rounds", self.warmup_rounds >= 0, "0 or more"),
@@ -290,6 +295,9 @@ class SoakOptions(RunConfig):
     record: str = option("", "also write the JSON and PNG into this directory (the committed evidence: results/soak)")
 
     def checks(self):
+        output_folder(Path(self.out), "--out", file=True)
+        if self.record:
+            output_folder(Path(self.record), "--record")
         unknown = [name for name in names_list(self.loaders) if name not in TRAINING_LOADERS]
         return super().checks() + [
             ("steps", self.steps >= 1, "at least 1"),

@@ -98,9 +98,9 @@ END = "<!-- house-stats:end -->"
 
 def write_block(path: Path, text: str, args: str) -> None:
     """Replace the block between the house-stats markers of `path` (a Markdown file) by `text`, fenced."""
-    from fastanchor.files import atomic_path
+    from fastanchor.files import atomic_path, read_text
 
-    page = path.read_text()
+    page = read_text(path, "--write file")
     start, end = page.find("<!-- house-stats:begin"), page.find(END)
     if start < 0 or end < start:
         raise DataError(f"'{path}' has no house-stats block: expected the lines {BEGIN.format(args=args)!r} "

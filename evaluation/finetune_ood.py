@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from fastanchor.errors import ConfigError, DataError
-from fastanchor.files import atomic_write_bytes
+from fastanchor.files import atomic_write_bytes, output_folder
 from fastanchor.pipeline.shifts.eval_sets import subset
 from fastanchor.pipeline.loaders.torchvision import DecodedImages, eval_transform
 from fastanchor.pipeline.references import FixedReferenceSet
@@ -125,7 +125,7 @@ def finetune_ood(checkpoint: str | Path, overrides=(), device: str = "auto", out
     device = resolve_device(device)
     model, config, state = load_for_inference(path, device, overrides)
     f, d = config.finetune_ood, config.data
-    out = Path(out_dir) if out_dir else RunFolder.of_checkpoint(path).finetune_ood
+    out = output_folder(Path(out_dir), "--out") if out_dir else RunFolder.of_checkpoint(path).finetune_ood
     if (out / "summary.json").exists():
         raise ConfigError(f"'{out / 'summary.json'}' already exists: pass another output directory (--out) to keep it")
     grids = jigsaw_grids(config)

@@ -226,7 +226,19 @@ def plan(experiment: Experiment, scale: str, data: str, out: str, seeds: int = 0
         return experiment.planner(experiment, scale, data, out, seeds, device, progress)
     found = setups(scale, data)
     names = [n for n in experiment.setups.get(scale, ()) if n in found] or [next(iter(found))]  # --data: its one setup
+    unknown = [n for n in only_setups if n not in names]
+    if unknown:
+        raise ConfigError(f"--setups {','.join(unknown)}: {experiment.name} at scale {scale} has the setups "
+                          f"{', '.join(names)}")
     names = [n for n in names if not only_setups or n in only_setups]
+    swept = list(dict.fromkeys(value_slug(value) for name in names for arm in experiment.arms for value in
+                               experiment.arm_values(arm, experiment.setup_values.get(name, experiment.values_at(scale)))
+                               if value is not None))
+    unknown = [v for v in only_values if v not in swept]
+    if unknown:
+        raise ConfigError(f"--values {','.join(unknown)}: " + (
+            f"{experiment.name} sweeps no values" if not swept else
+            f"{experiment.name} at scale {scale} ({', '.join(names)}) sweeps {', '.join(swept)}"))
     count = seeds or (1 if scale == "tiny" else experiment.seeds)
     ev = experiment.evaluation_at(scale)
     runs, notes = [], []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from fastanchor.files import output_folder
 from fastanchor.reproduce.runs import SCALES
 from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import OnDevice, Overrides
@@ -66,6 +68,9 @@ result.md and result.png beside them."""
         super().validate()
 
     def checks(self):
+        output_folder(Path(self.out), "--out")  # before any run trains, not when its results are written hours later
+        if self.record:
+            output_folder(Path(self.record), "--record")
         return super().checks() + [
             ("scale", self.scale in SCALES, ", ".join(SCALES)),
             ("seeds", self.seeds >= 0, "0 (the experiment's default) or a positive count"),
