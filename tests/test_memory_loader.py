@@ -70,6 +70,28 @@ def test_without_augmentation_its_batches_are_the_torchvision_loaders_bit_for_bi
         assert difference.max() <= (0 if ratio == 1.0 else 1) and difference.mean() < 0.3, (ratio, difference.mean())
 
 
+def test_a_padded_crop_of_images_of_another_size_frames_their_centred_square_at_image_size(train_copy):
+    """CIFAR's crop is of the image at image_size: 40 x 56 px images are first their centred 40 px square resized to
+    32 (what FFCV's decoder and evaluation at crop_ratio 1 do), not a 32 px window of the larger image, and a 20 px
+    one is not refused. Torchvision's batches are its evaluation transform's images (an independent PIL path), bit for
+    bit; the memory loader's within 1 grey level of them (its own resampling, as at crop_ratio 0.875 above)."""
+    for i, (path, _) in enumerate(train_copy.samples):
+        source = TF.pil_to_tensor(load_rgb(path))
+        TF.to_pil_image(F.interpolate(source[None].float(), size=(40, 56), mode="bilinear").round().byte()[0]).save(
+            path, format="JPEG", quality=95)
+    plain = spec(padding=0, hflip=False)
+    (ours, labels), (theirs, their_labels) = (epoch(registry.make(name, train_copy, plain), 2)
+                                              for name in ("memory", "torchvision"))
+    assert ours.shape == theirs.shape == (48, 3, 32, 32) and torch.equal(labels, their_labels)
+    by_eval = epoch(registry.make("torchvision", train_copy, spec(train=False, crop_ratio=1.0, batch_size=48)), 0)[0]
+    order = [next((j for j in range(48) if torch.equal(image, by_eval[j])), None) for image in theirs]
+    assert None not in order and sorted(order) == list(range(48))  # each is one of them, every one once
+    assert (ours.float() - theirs.float()).abs().max() <= 1
+    small = train_copy.samples[0][0]
+    TF.to_pil_image(torch.full((3, 20, 20), 128, dtype=torch.uint8)).save(small, format="JPEG")
+    assert epoch(registry.make("torchvision", train_copy, spec()), 0)[0].shape == (48, 3, 32, 32)
+
+
 def test_padded_crops_are_the_drawn_windows_of_the_zero_framed_images_and_their_draws_are_fair(train_copy):
     """Each training image is the window at its sample's drawn offset of the source image in a 4-pixel black frame,
     mirrored where its coin says (an independent reference: F.pad, slicing, flip); over 200 epochs of draws every

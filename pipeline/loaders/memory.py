@@ -11,7 +11,8 @@ Training batches: the epoch's order and every crop and flip (and a per-image pol
 seeded by (seed, epoch) and are indexed by sample, so a sample's augmentation is the same on any device, in any shard
 and after resuming; the order
 is the torchvision loader's (same permutation of the same index). `padded` crops (CIFAR's: zero padding, random
-window) are a gather of the held pixels and come out exactly as torchvision's RandomCrop + flip makes them at the
+window, of the images at image_size: images of another size are held as their centred square resized once, as
+for evaluation at crop_ratio 1) are a gather of the held pixels and come out exactly as torchvision's RandomCrop + flip makes them at the
 same offsets; `random_resized` crops draw Inception boxes as torchvision does and resize them with the antialiased
 bilinear filter torch and PIL define, within a grey level of the torchvision loader's PIL resize. A per-image policy
 (augment.auto_augment) is torchvision's, applied after the crop and flip to each image's uint8 tensor with torch's
@@ -257,6 +258,8 @@ class MemoryLoader:
         self.images = pixels.to(self.device)  # uint8 [N, H, W, 3]
         if not spec.train:
             self.images = eval_images(self.images, spec.image_size, spec.crop_ratio)
+        elif spec.crop == "padded":  # CIFAR's crop frames the image at image_size: its centred square, resized once
+            self.images = eval_images(self.images, spec.image_size, 1.0)
         self.epoch = 0
         self.image_size = spec.image_size
         self.check_crop(self.image_size)

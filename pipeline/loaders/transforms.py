@@ -30,8 +30,10 @@ def train_transform(image_size: int, min_scale: float, *, crop: str = "random_re
     and a seeded sample's crop and policy are the ones it gets with `hflip=True`, minus the flip."""
     if crop == "random_resized":
         cropping = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
-    elif crop == "padded":
-        cropping = v2.RandomCrop(image_size, padding=padding, fill=0)
+    elif crop == "padded":  # CIFAR's, of the image at image_size: its centred square resized first, as FFCV's decoder
+        # does (nothing changes for images of that size; of another size, a random window would not be what eval sees)
+        cropping = v2.Compose([v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size),
+                               v2.RandomCrop(image_size, padding=padding, fill=0)])
     else:
         raise ValueError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
     if not isinstance(hflip, bool):
