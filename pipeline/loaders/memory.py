@@ -12,9 +12,10 @@ seeded by (seed, epoch) and are indexed by sample, so a sample's augmentation is
 and after resuming; the order
 is the torchvision loader's (same permutation of the same index). `padded` crops (CIFAR's: zero padding, random
 window, of the images at image_size: images of another size are held as their centred square resized once, as
-for evaluation at crop_ratio 1) are a gather of the held pixels and come out exactly as torchvision's RandomCrop + flip makes them at the
-same offsets; `random_resized` crops draw Inception boxes as torchvision does and resize them with the antialiased
-bilinear filter torch and PIL define, within a grey level of the torchvision loader's PIL resize. A per-image policy
+for evaluation at crop_ratio 1) are a gather of the held pixels and come out exactly as torchvision's RandomCrop +
+flip makes them at the same offsets; `random_resized` crops draw Inception boxes as torchvision does and resize them
+with the antialiased bilinear filter torch and PIL define, within a grey level of the torchvision loader's PIL
+resize. A per-image policy
 (augment.auto_augment) is torchvision's, applied after the crop and flip to each image's uint8 tensor with torch's
 generator seeded by the sample's seed (the torchvision loader applies the same policy to the PIL image). Evaluation
 batches: resized (the shorter side to image_size / crop_ratio, the same filter; nothing where the images have that size
