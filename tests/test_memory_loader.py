@@ -75,7 +75,7 @@ def test_a_padded_crop_of_images_of_another_size_frames_their_centred_square_at_
     32 (what FFCV's decoder and evaluation at crop_ratio 1 do), not a 32 px window of the larger image, and a 20 px
     one is not refused. Torchvision's batches are its evaluation transform's images (an independent PIL path), bit for
     bit; the memory loader's within 1 grey level of them (its own resampling, as at crop_ratio 0.875 above)."""
-    for i, (path, _) in enumerate(train_copy.samples):
+    for path, _ in train_copy.samples:
         source = TF.pil_to_tensor(load_rgb(path))
         TF.to_pil_image(F.interpolate(source[None].float(), size=(40, 56), mode="bilinear").round().byte()[0]).save(
             path, format="JPEG", quality=95)
