@@ -83,7 +83,7 @@ class DALILoader:
     linear), horizontal flip with probability 1/2 (never with `hflip=False`, in either crop; the
     coin is still drawn, so the crops, shifts and policies are those of `hflip=True`, minus the
     flip). `crop="padded"` (CIFAR's) instead decodes the
-    whole image, resizes it to s x s and, after the flip, shifts it by up to `padding` pixels each
+    whole image, resizes its centred square to s x s and, after the flip, shifts it by up to `padding` pixels each
     way inside a black frame. `policy` (autoaugment, randaugment, trivialaugment_wide) then applies
     DALI's `auto_aug` per sample (see `apply_policy`); DALI has no AugMix. Eval: shorter side resized to
     round(s / crop_ratio), centre crop s x s, exactly torchvision's `eval_transform` geometry.
@@ -291,11 +291,16 @@ class DALILoader:
 
     def _train_graph(self, listing, decoder: str, size: int):
         from nvidia.dali import fn, types
+        from nvidia.dali import math as dali_math
 
         encoded, labels = self._reader(listing)
-        if self.crop == "padded":  # CIFAR's: the whole image at size x size, then shifted in a black frame below
+        if self.crop == "padded":  # CIFAR's: the image's centred square (as FFCV's decoder takes it) at size x size,
+            # then shifted in a black frame below
             images = fn.decoders.image(encoded, device=decoder, output_type=types.RGB, adjust_orientation=False,
                                        jpeg_fancy_upsampling=True)
+            height, width = (fn.shapes(images, dtype=types.FLOAT)[axis] for axis in (0, 1))
+            side = dali_math.min(height, width)
+            images = fn.crop(images, crop_h=side, crop_w=side)
         else:
             images = fn.decoders.image_random_crop(
                 encoded, device=decoder, output_type=types.RGB, random_area=[self.min_scale, 1.0],
