@@ -298,8 +298,8 @@ class DALILoader:
             # then shifted in a black frame below
             images = fn.decoders.image(encoded, device=decoder, output_type=types.RGB, adjust_orientation=False,
                                        jpeg_fancy_upsampling=True)
-            height, width = (fn.shapes(images, dtype=types.FLOAT)[axis] for axis in (0, 1))
-            side = dali_math.min(height, width)
+            shape = fn.shapes(images, dtype=types.FLOAT)  # (height, width, channels)
+            side = dali_math.min(shape[0], shape[1])
             images = fn.crop(images, crop_h=side, crop_w=side)
         else:
             images = fn.decoders.image_random_crop(

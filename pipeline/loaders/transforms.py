@@ -21,6 +21,19 @@ AUTO_AUGMENT_POLICIES = {
 }
 
 
+class CentredSquare:
+    """A PIL image at size x size: itself where it is that size already (CIFAR's, the embedded data's: the training
+    loop's usual case, left without a resize or a copy), else its centred square resized to it, as FFCV's decoder
+    takes it and evaluation at crop_ratio 1 sees it (a random window of a larger image would not be)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.geometry = v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+    def __call__(self, image):
+        return image if image.size == (self.size, self.size) else self.geometry(image)
+
+
 def train_transform(image_size: int, min_scale: float, *, crop: str = "random_resized", padding: int = 4,
                     policy: str = "none", hflip: bool = True) -> v2.Transform:
     """Crop (random-resized, or CIFAR's padded random crop), horizontal flip, then an optional
@@ -30,10 +43,8 @@ def train_transform(image_size: int, min_scale: float, *, crop: str = "random_re
     and a seeded sample's crop and policy are the ones it gets with `hflip=True`, minus the flip."""
     if crop == "random_resized":
         cropping = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
-    elif crop == "padded":  # CIFAR's, of the image at image_size: its centred square resized first, as FFCV's decoder
-        # does (nothing changes for images of that size; of another size, a random window would not be what eval sees)
-        cropping = v2.Compose([v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size),
-                               v2.RandomCrop(image_size, padding=padding, fill=0)])
+    elif crop == "padded":  # CIFAR's, of the image at image_size (CentredSquare)
+        cropping = v2.Compose([CentredSquare(image_size), v2.RandomCrop(image_size, padding=padding, fill=0)])
     else:
         raise ValueError(f"crop = {crop!r}: expected 'random_resized' or 'padded'")
     if not isinstance(hflip, bool):
