@@ -40,12 +40,14 @@
 # outlive the session: a record gathers a cell's seeds of one configuration over several sweeps (the `settings` digest
 # of each row, reproduce/sweep.py keep_other_cells). A seed's piece trains what it evaluates again where runs/ lacks it.
 #   tab1-r18-sK      tab1 on demo_resnet18 (the CIFAR ResNet-18 in bf16: about 160 img/s on a CPU with AMX, 16 min a
-#                    30-epoch run; about 110 img/s, 25 min, on one with AVX-512 bf16 alone), then tab3 from its
-#                    models: 3 runs   about 50 min a seed with AMX, 115 without
-#   fig1-r18-sK      |R| 50 and whole on demo_resnet18 (standard is tab1's), then the shortcut probe: 5 runs
-#                    about 100 min a seed with AMX, over two hours without (run its four trainings over two sessions:
-#                    a killed piece resumes where it stopped while runs/ is kept). On an AMD EPYC with AVX2 alone
-#                    (no AVX-512) bf16 runs under 10 img/s (not 20 steps of 128 in 250 s): not on such a machine
+#                    30-epoch run; about 110 img/s, 25 min, on an Intel one with AVX-512 bf16 alone; about 190 img/s,
+#                    15 min, on an AMD EPYC with AVX-512 bf16), then tab3 from its models: 3 runs   about 50 min a
+#                    seed with AMX, 115 without
+#   fig1-r18-sK      fig1-r18-sK-50, then fig1-r18-sK-whole; each |R| on demo_resnet18 (standard is tab1's, trained
+#                    again where runs/ lacks it), then the shortcut probe on its models, recorded as it ends:
+#                    -50 3 runs, about 65 min on the AMD EPYC with AVX-512 bf16; -whole 2 runs, about 45 min
+#                    (runs/ kept from -50: standard is linked). On an AMD EPYC with AVX2 alone (no AVX-512) bf16
+#                    runs under 10 img/s (not 20 steps of 128 in 250 s): not on such a machine
 #   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
 #                    shortcut probe   about 70 min
 #   fig5a-hard-sK, fig5b-hard-sK   at three values each on hard (geometric and 0% noise are tab1's): 9 runs
@@ -71,8 +73,8 @@ stage=${1:-all}
 stages=" all tab1-hard tab3-hard tab1-demo tab3-demo fig1-demo shortcut-demo fig1-hard shortcut-hard tab4-hard tab4-demo er "
 stages+="fig5a-demo fig5b-demo fig1-demo-rest "
 seeded=" tab1-r18 fig1-r18 fig5a-hard fig5b-hard "  # also STAGE-s0, -s1, -s2 (fig5b-hard: and -s3)
-[[ "$stages$seeded" == *" $stage "* || ($seeded == *" ${stage%-s[012]} "* && $stage == *-s[012]) || $stage == fig5b-hard-s3 || $stage =~ ^fig5a-hard-s[012]-(geometric|trivialaugment|pixmix)$ ]] ||
-    { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages${seeded# }or one of the last four with -s0, -s1 or -s2; fig5b-hard-s3; fig5a-hard-sK-geometric, -trivialaugment or -pixmix)" >&2; exit 2; }
+[[ "$stages$seeded" == *" $stage "* || ($seeded == *" ${stage%-s[012]} "* && $stage == *-s[012]) || $stage == fig5b-hard-s3 || $stage =~ ^fig5a-hard-s[012]-(geometric|trivialaugment|pixmix)$ || $stage =~ ^fig1-r18-s[012]-(50|whole)$ ]] ||
+    { echo "scripts/decisive_small.sh: no stage '$stage' (expected one of:$stages${seeded# }or one of the last four with -s0, -s1 or -s2; fig5b-hard-s3; fig5a-hard-sK-geometric, -trivialaugment or -pixmix; fig1-r18-sK-50 or -whole)" >&2; exit 2; }
 want() { [[ $stage == all || $stage == "$1" || $1 == "$stage"-s[0-9] || $1 == "$stage"-s[0-9]-* || ($stage == *-s[0-9] && $1 == "$stage"-*) ]]; }
 want tab1-hard && run tab1-hard tab1 --setups hard --seeds 6
 want tab3-hard && run tab3-hard tab3 --setups hard --seeds 6
@@ -92,8 +94,10 @@ for s in 0 1 2; do
         run tab3-r18-s$s tab3 --setups demo_resnet18 --first-seed $s --seeds 1
 done
 for s in 0 1 2; do
-    want fig1-r18-s$s && run fig1-r18-s$s fig1 --setups demo_resnet18 --values 50,whole --first-seed $s --seeds 1 &&
-        run shortcut-r18-s$s shortcut --setups demo_resnet18 --values 50,whole --first-seed $s --seeds 1
+    for v in 50 whole; do  # a value at a time, each recorded as it ends: a whole seed outlasts some sessions
+        want fig1-r18-s$s-$v && run fig1-r18-s$s-$v fig1 --setups demo_resnet18 --values $v --first-seed $s --seeds 1 &&
+            run shortcut-r18-s$s-$v shortcut --setups demo_resnet18 --values $v --first-seed $s --seeds 1
+    done
 done
 want fig1-demo-rest && run fig1-demo-rest fig1 --setups demo --values 5,10,500 --first-seed 3 &&
     run shortcut-demo-rest shortcut --setups demo --values 5,500 --first-seed 3

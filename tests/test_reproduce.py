@@ -864,15 +864,19 @@ def test_the_decisive_sweep_script_plans_every_stage(tmp_path):
     at least one run at small scale (a renamed setup or value would plan none, silently)."""
     script = (Path(__file__).resolve().parents[1] / "scripts" / "decisive_small.sh").read_text()
     lines = re.sub(r"&&\n\s*", "&& ", script).splitlines()  # a stage's second command continues its line
-    calls, seeds = [], ("",)
+    calls, loops = [], {}
     for line in lines:
-        if line.startswith("for s in "):  # a seeded stage's loop: its seeds
-            seeds = tuple(line.split(";")[0].split()[3:])
+        if loop := re.match(r"\s*for (\w+) in ([^;]+);", line):  # a seeded (or valued) stage's loop: its values
+            loops[loop[1]] = loop[2].split()
         elif line.strip().startswith("want "):
-            calls += [shlex.split(call.replace("$s", seed)) for seed in (seeds if "$s" in line else ("",))
-                      for call in line.split("&& run ")[1:]]
+            used = [name for name in loops if f"${name}" in line]
+            for values in itertools.product(*(loops[name] for name in used)):
+                text = line
+                for name, value in zip(used, values):
+                    text = text.replace(f"${name}", value)
+                calls += [shlex.split(call) for call in text.split("&& run ")[1:]]
     names = {name for name, *_ in calls}
-    assert len(calls) >= 35 and {"tab3-r18-s2", "shortcut-demo-rest", "fig5b-hard-s3"} <= names
+    assert len(calls) >= 35 and {"tab3-r18-s2", "shortcut-demo-rest", "fig5b-hard-s3", "fig1-r18-s2-whole"} <= names
     assert "fig5a-hard-s3" not in names
     for name, experiment, *args in calls:
         options = dict(zip(args[::2], args[1::2]))
