@@ -45,8 +45,8 @@
 #                    seed with AMX, 115 without
 #   fig1-r18-sK      fig1-r18-sK-50, then fig1-r18-sK-whole; each |R| on demo_resnet18 (standard is tab1's, trained
 #                    again where runs/ lacks it), then the shortcut probe on its models, recorded as it ends:
-#                    -50 3 runs, about 65 min on the AMD EPYC with AVX-512 bf16; -whole 2 runs, about 45 min
-#                    (runs/ kept from -50: standard is linked). On an AMD EPYC with AVX2 alone (no AVX-512) bf16
+#                    -50 3 runs, about 60 min on the AMD EPYC with AVX-512 bf16; -whole 2 runs, about 40 min
+#                    (55 where runs/ lacks standard). On an AMD EPYC with AVX2 alone (no AVX-512) bf16
 #                    runs under 10 img/s (not 20 steps of 128 in 250 s): not on such a machine
 #   fig1-demo-rest   |R| 5, 10 and 500 on demo, seeds 3-5 (the earlier 12-epoch cells replaced): 18 runs, then the
 #                    shortcut probe   about 70 min
