@@ -40,7 +40,8 @@ from fastanchor.pipeline.loaders.torchvision import Corruption, DecodedImages, e
 from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.distributed import Processes, on_main, start_processes, stop_processes
 from fastanchor.trainer.predict import predict
-from fastanchor.trainer.checkpoint.file import list_checkpoints, run_order
+from fastanchor.trainer.checkpoint.file import list_checkpoints, load_checkpoint, run_order
+from fastanchor.trainer.config import config_from_dict
 from fastanchor.evaluation.effective_robustness import (
     TESTBED_FITS,
     Baseline,
@@ -71,6 +72,10 @@ CACHE_FORMAT = 1  # of the per-checkpoint cache entries: raise it when evaluate_
 RECORD_FIELDS = {"epoch", "step", "fraction_of_training", "checkpoint", "id_top1", "ood_top1", "id_clipped", "ood_clipped"}
 
 
+ALL_ANCHORED = (f"--baseline {FIT_TO_RUNS} fits the line to the standard runs' checkpoints, but every run given is "
+                f"anchored: add a standard run, or choose --baseline testbed:FILE, line:A,B or a shipped line")
+
+
 def check_spec(spec: RobustnessSpec) -> None:
     check_transform(spec.transform)
     if not 1 <= spec.severity <= 5:
@@ -81,6 +86,11 @@ def check_spec(spec: RobustnessSpec) -> None:
     kind, argument = parse_baseline(spec.baseline, spec.transform)  # the form; fits to the runs need their data
     if kind == "testbed":
         testbed_baseline(Path(argument), spec.transform)  # a testbed that cannot give a line: said before any run
+
+
+def run_is_anchored(run_dir: Path) -> bool:
+    """Whether a run trained anchored, read from its first checkpoint's config before anything is evaluated."""
+    return config_from_dict(load_checkpoint(run_checkpoints(run_dir, say=lambda _: None)[0])["config"]).anchor.enabled
 
 
 def run_checkpoints(run_dir: Path, say=print) -> list[Path]:
@@ -194,8 +204,7 @@ def resolve_baseline(spec: str, transform: str, runs: list[dict], run_dirs: list
                           f"line:A,B or one of {', '.join(shipped_baselines())}")
     standard = [r for r in runs if not r["anchored"]]
     if not standard:
-        raise ConfigError(f"--baseline {FIT_TO_RUNS} fits the line to the standard runs' checkpoints, but every run given "
-                          f"is anchored: add a standard run, or choose --baseline testbed:FILE, line:A,B or a shipped line")
+        raise ConfigError(ALL_ANCHORED)
     points = [(e["id_clipped"], e["ood_clipped"]) for r in standard for e in r["epochs"]]
     id_acc, ood_acc = np.array(points).T
     try:
@@ -477,6 +486,8 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart. Under
     torchrun the processes share every set; rank 0 writes and returns (runs, chart), the others None."""
     check_spec(spec)
+    if spec.baseline == FIT_TO_RUNS and all(run_is_anchored(Path(r)) for r in run_dirs):
+        raise ConfigError(ALL_ANCHORED)  # said before every checkpoint is evaluated, not after
     chart = Path(chart) if chart else default_chart_path(run_dirs)
     output_folder(chart, "--plot", file=True)
     names = [Path(r).name for r in run_dirs]

@@ -246,6 +246,9 @@ CASES = {
     "evaluate without --checkpoint": Case(lambda w, d: ["evaluate"], "the following arguments are required: --checkpoint (see fastanchor evaluate --help)"),
     "unknown flag": Case(lambda w, d: ["train", "--sett", "train.epochs=1"], "unrecognized arguments: --sett train.epochs=1"),
     "--resume without a value": Case(lambda w, d: ["train", "--resume"], "argument --resume: expected one argument"),
+    "robustness: fit to anchored runs alone": Case(
+        lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--baseline", "fit-to-given-runs"],
+        "--baseline fit-to-given-runs fits the line to the standard runs' checkpoints, but every run given is anchored"),
     "robustness: unknown transform": Case(lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--transform", "cubic"],
                                           "accuracy transform 'cubic': expected one of logit, probit"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
