@@ -2,7 +2,6 @@
 erasing, flip test-time augmentation, BlurPool, per-image policies and what each loader refuses."""
 
 import math
-
 from pathlib import Path
 
 import numpy as np
