@@ -48,6 +48,15 @@ def rows_of(panels: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
     return rows if len(rows) > 1 else [panels]
 
 
+def seeds_note(groups: list[dict]) -> str:
+    """How many seeds a panel's cells average, for its title: '1 seed', '3 seeds', or '1-3 seeds' where they differ."""
+    counts = sorted({len(g["seeds"]) for g in groups})
+    if not counts:
+        return ""
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"{n} seed" + ("" if n == "1" else "s")
+
+
 def paper_line(ax, papers: list[tuple], color: str, arm: str, paper_setup: str) -> None:
     """The paper's numbers for one arm, (x, number) pairs, as a dotted line of open squares beside ours."""
     ax.plot(*zip(*papers), ls=":", marker="s", mfc="none", color=color,
@@ -179,7 +188,9 @@ def figure(result: dict, view: View, path: Path, whole: dict[str, int] | None = 
             severity_panel(ax, groups, metric, present, arms, colours)
         else:  # bars_values, bars_metrics
             bars_panel(ax, view, metric, groups, arms, colours)
-        ax.set_title(setup + (f": {label(metric)}" if metric and view.plot in ("curve", "bars_values") else ""))
+        note = seeds_note(groups)
+        ax.set_title(setup + (f" ({note})" if note else "")
+                     + (f": {label(metric)}" if metric and view.plot in ("curve", "bars_values") else ""))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=7)

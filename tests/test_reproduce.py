@@ -727,8 +727,8 @@ def test_the_gpu_scale_plans_fig1_and_tab1_with_a_predicted_time():
 def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path):
     """`--values whole --record DIR`: the record keeps its rows at the other |R| (marked with their command), drops
     those the new runs replace, and recomputes the summary over both; the table and the figure tell the kept cells
-    (an earlier schedule) from the rerun ones."""
-    from fastanchor.reproduce.figures import curve_panel
+    (an earlier schedule) from the rerun ones, and a panel's title says how many seeds its cells average."""
+    from fastanchor.reproduce.figures import curve_panel, seeds_note
     from fastanchor.reproduce.runs import Run
     from fastanchor.reproduce.sweep import keep_other_cells
     from fastanchor.reproduce.tables import markdown, trained_epochs
@@ -766,6 +766,7 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
                 True, 5000, trained_epochs(merged))
     labels = axes.get_legend_handles_labels()[1]
     assert "Anchored (alpha 0) (an earlier record's schedule)" in labels and "Anchored (alpha 0)" in labels
+    assert [seeds_note(merged["summary"]), seeds_note([{"seeds": [0, 1, 2]}, {"seeds": [1]}])] == ["1 seed", "1-3 seeds"]
 
 
 def test_a_cell_is_gathered_a_seed_at_a_time_from_its_own_configuration_only(tmp_path):
