@@ -5,6 +5,7 @@ by hand)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from fastanchor.files import atomic_write_bytes, read_json, replace_folder
@@ -34,7 +35,12 @@ def write_results(result: dict, folder: Path, whole: dict[str, int] | None = Non
 
 def readme(result: dict) -> str:
     """The record's README: how it was made, then the result table and the paper's numbers (tables.markdown)."""
-    made = [f"- command: `{result.get('command', '')}`" if result.get("command") else "",
+    earlier = Counter(row["from_record"] for row in result.get("runs", []) if row.get("from_record"))
+    command, ran = result.get("command"), sum(not row.get("from_record") for row in result.get("runs", []))
+    ran_note = "" if not earlier else f" (ran {ran} of the rows)" if ran else " (ran none of the rows: it restated them)"
+    made = [f"- command: `{command}`{ran_note}" if command else "",
+            "- rows kept from the record, by the command that made them (each row's `from_record`):" if earlier else "",
+            *(f"  - `{made_by}`: {n} row" + "s" * (n != 1) for made_by, n in earlier.items()),
             "- generated from result.json by fastanchor.reproduce.record (rerun the command, or "
             "`fastanchor reproduce " + result["experiment"] + " --aggregate-only --record DIR`, to regenerate)",
             "- what the paper found, what we measure and why they differ: docs/reproduce.md, section "

@@ -727,7 +727,8 @@ def test_the_gpu_scale_plans_fig1_and_tab1_with_a_predicted_time():
 def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path):
     """`--values whole --record DIR`: the record keeps its rows at the other |R| (marked with their command), drops
     those the new runs replace, and recomputes the summary over both; the table and the figure tell the kept cells
-    (an earlier schedule) from the rerun ones, and a panel's title says how many seeds its cells average."""
+    (an earlier schedule) from the rerun ones, a panel's title says how many seeds its cells average, and the README
+    names the command of each kept row."""
     from fastanchor.reproduce.figures import curve_panel, seeds_note
     from fastanchor.reproduce.runs import Run
     from fastanchor.reproduce.sweep import keep_other_cells
@@ -754,6 +755,8 @@ def test_recording_part_of_an_experiment_keeps_the_records_other_cells(tmp_path)
                      EXPERIMENTS["fig1"].view)
     assert "| demo | Anchored (alpha 0) | 5 | 1 | earlier |" in table and "| demo | Anchored (alpha 0) | whole | 1 | 30 |" in table
     assert "had not plateaued" not in table
+    assert "  - `fastanchor reproduce fig1 (old)`: 1 row\n" in readme({**merged, "title": "fig1", "paper_source": "",
+                                                                     "scale": "small", "std": "", "missing": [], "axis": "|R|"})
     late = {**merged["runs"][0], "training": {"epochs": 30, "window": 8, "top1_gain": 1.5, "loss_fall": 0.02,
                                               "converged": False}}
     table = markdown({**merged, "runs": [late, *merged["runs"][1:]], "title": "fig1", "paper_source": "",
