@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ from fastanchor.trainer.build import eval_loader
 from fastanchor.trainer.distributed import Processes, on_main, start_processes, stop_processes
 from fastanchor.trainer.predict import predict
 from fastanchor.trainer.checkpoint.file import list_checkpoints, load_checkpoint, run_order
-from fastanchor.trainer.config import config_from_dict
+from fastanchor.trainer.config import Config, config_from_dict, with_overrides
 from fastanchor.evaluation.effective_robustness import (
     TESTBED_FITS,
     Baseline,
@@ -88,9 +89,22 @@ def check_spec(spec: RobustnessSpec) -> None:
         testbed_baseline(Path(argument), spec.transform)  # a testbed that cannot give a line: said before any run
 
 
-def run_is_anchored(run_dir: Path) -> bool:
-    """Whether a run trained anchored, read from its first checkpoint's config before anything is evaluated."""
-    return config_from_dict(load_checkpoint(run_checkpoints(run_dir, say=lambda _: None)[0])["config"]).anchor.enabled
+def check_baseline_before_evaluating(run_dirs: list[Path], spec: RobustnessSpec) -> None:
+    """What can stop the baseline, said before any checkpoint is evaluated: fit-to-given-runs with anchored runs
+    alone; auto with no line, or testbed:FILE measured on other sets, for the sets of the first run's first
+    checkpoint (read from its config and classes)."""
+    kind, _ = parse_baseline(spec.baseline, spec.transform)
+    if kind not in (FIT_TO_RUNS, DEFAULT_BASELINE, "testbed"):
+        return
+    firsts = [run_checkpoints(Path(r), say=lambda _: None)[0] for r in run_dirs]
+    states = [load_checkpoint(path) for path in (firsts if kind == FIT_TO_RUNS else firsts[:1])]
+    configs = [with_overrides(config_from_dict(state["config"]), spec.overrides) for state in states]
+    if kind == FIT_TO_RUNS:
+        if all(config.anchor.enabled for config in configs):
+            raise ConfigError(ALL_ANCHORED)
+        return
+    sets = checkpoint_sets(firsts[0], configs[0], tuple(states[0]["classes"]), spec)
+    resolve_baseline(spec.baseline, spec.transform, [sets.about], run_dirs)
 
 
 def run_checkpoints(run_dir: Path, say=print) -> list[Path]:
@@ -241,6 +255,48 @@ def set_digest(index: ImageFolderIndex, rows: list[int] | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class CheckpointSets:
+    """The ID and OOD sets a checkpoint is evaluated on: the OOD folder or the corruptions, the classes both are
+    restricted to (`mask`, when the OOD folder holds only some), the ID rows counted, and the run's "id_set" and
+    "ood_set" descriptions (what pair_key compares with a testbed's)."""
+    id_index: ImageFolderIndex
+    ood_index: ImageFolderIndex | None
+    corruptions: list[str]
+    mask: list[int] | None
+    id_rows: list[int]
+    about: dict
+
+
+def checkpoint_sets(path: Path, config: Config, classes: tuple, spec: RobustnessSpec) -> CheckpointSets:
+    """The sets checkpoint `path` (its config with the spec's overrides, its classes) is evaluated on; reads the
+    folders' file lists, not their images."""
+    d, e = config.data, config.eval
+    id_index = scan_image_folder(spec.id_root or Path(d.root) / d.val_split, classes)
+    id_rows, mask, ood_index, names = list(range(len(id_index))), None, None, []
+    if spec.ood_root:
+        ood_index = scan_image_folder(spec.ood_root, classes)
+        present = sorted({label for _, label in ood_index.samples})
+        if len(present) < len(classes):  # the OOD set's classes only, for OOD and ID alike ("subclassed")
+            mask = present
+            id_rows = [i for i, (_, label) in enumerate(id_index.samples) if label in set(present)]
+            if not id_rows:
+                raise DataError(f"ID set '{id_index.root}' has no image of the OOD set's classes {[classes[i] for i in present]}")
+        ood_set = {"kind": "dataset", "root": str(ood_index.root), "images": len(ood_index),
+                   "logit_mask": None if mask is None else [classes[i] for i in mask], "digest": set_digest(ood_index)}
+    else:
+        names = spec.corruptions or list(e.corruptions)
+        if not names:
+            raise ConfigError(f"checkpoint '{path}' lists no eval.corruptions: give --corruption NAME or --ood-root DIR")
+        check_corruption_names(names, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
+        ood_set = {"kind": "corruption", "corruptions": names, "severity": spec.severity,
+                   "parameters": e.corruption_parameters, "seed": e.seed, "root": str(id_index.root),
+                   "images": len(id_index) * len(names), "digest": set_digest(id_index)}
+    id_set = {"root": str(id_index.root), "images": len(id_rows), "classes": list(classes),
+              "subclassed": mask is not None, "digest": set_digest(id_index, id_rows)}
+    return CheckpointSets(id_index, ood_index, names, mask, id_rows, {"id_set": id_set, "ood_set": ood_set})
+
+
 def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.device,
                              processes: Processes = Processes()) -> tuple[dict, dict, dict]:
     """ID and OOD top-1 of one checkpoint: (its record, a description of the run and its sets, which examples
@@ -249,9 +305,8 @@ def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.dev
     model, config, state = load_for_inference(path, device, spec.overrides)
     progress = config.train.progress and processes.main
     anchored, d, e = config.anchor.enabled, config.data, config.eval
-    classes = tuple(state["classes"])
     references = FixedReferenceSet(state["reference_images"].to(device)) if anchored else None
-    id_index = scan_image_folder(spec.id_root or Path(d.root) / d.val_split, classes)
+    sets = checkpoint_sets(path, config, tuple(state["classes"]), spec)
 
     def run(index: ImageFolderIndex, corruption: Corruption | None, desc: str) -> dict:
         source = (DecodedImages(index, eval_transform(d.image_size, d.crop_ratio), corruption) if processes.several
@@ -265,47 +320,28 @@ def evaluate_checkpoint_sets(path: Path, spec: RobustnessSpec, device: torch.dev
     record = {"epoch": round(step / steps_per_epoch, 4), "step": step,
               "fraction_of_training": round(step / (steps_per_epoch * config.train.epochs), 6),
               "end_of_epoch": bool(state.get("end_of_epoch", True)), "checkpoint": str(path)}
-    clean = run(id_index, None, f"{path.stem} ID")
-    id_rows, mask = list(range(len(id_index))), None
-    if spec.ood_root:
-        ood_index = scan_image_folder(spec.ood_root, classes)
-        present = sorted({label for _, label in ood_index.samples})
-        if len(present) < len(classes):  # the OOD set's classes only, for OOD and ID alike ("subclassed")
-            mask = present
-            id_rows = [i for i, (_, label) in enumerate(id_index.samples) if label in set(present)]
-            if not id_rows:
-                raise DataError(f"ID set '{id_index.root}' has no image of the OOD set's classes {[classes[i] for i in present]}")
+    clean = run(sets.id_index, None, f"{path.stem} ID")
+    if sets.ood_index is not None:
+        if sets.mask is not None:
             record["id_top1_all_classes"] = top1(clean["logits"], clean["labels"])
-        ood = run(ood_index, None, f"{path.stem} OOD")
-        ood_correct = correct(ood["logits"], ood["labels"], mask)
+        ood = run(sets.ood_index, None, f"{path.stem} OOD")
+        ood_correct = correct(ood["logits"], ood["labels"], sets.mask)
         record["ood_top1"] = 100.0 * float(ood_correct.double().mean())
-        ood_set = {"kind": "dataset", "root": str(ood_index.root), "images": len(ood_index),
-                   "logit_mask": None if mask is None else [classes[i] for i in mask], "digest": set_digest(ood_index)}
     else:
-        names = spec.corruptions or list(e.corruptions)
-        if not names:
-            raise ConfigError(f"checkpoint '{path}' lists no eval.corruptions: give --corruption NAME or --ood-root DIR")
-        check_corruption_names(names, CORRUPTIONS[e.corruption_parameters], f"{e.corruption_parameters} corruption")
         values, hits = [], []
-        for name in names:
-            out = run(id_index, Corruption(name, spec.severity, e.seed, e.corruption_parameters),
+        for name in sets.corruptions:
+            out = run(sets.id_index, Corruption(name, spec.severity, e.seed, e.corruption_parameters),
                       f"{path.stem} {name}@{spec.severity}")
             hits.append(correct(out["logits"], out["labels"]))
             values.append(100.0 * float(hits[-1].double().mean()))
         ood_correct = torch.cat(hits)
         record["ood_top1"] = float(np.mean(values))
-        record["ood_top1_per_corruption"] = dict(zip(names, values))
-        ood_set = {"kind": "corruption", "corruptions": names, "severity": spec.severity,
-                   "parameters": e.corruption_parameters, "seed": e.seed, "root": str(id_index.root),
-                   "images": len(id_index) * len(names), "digest": set_digest(id_index)}
-    id_correct = correct(clean["logits"], clean["labels"], mask)[id_rows]
+        record["ood_top1_per_corruption"] = dict(zip(sets.corruptions, values))
+    id_correct = correct(clean["logits"], clean["labels"], sets.mask)[sets.id_rows]
     record["id_top1"] = 100.0 * float(id_correct.double().mean())
-    record["id_clipped"] = float(clip_accuracy(record["id_top1"] / 100.0, len(id_rows)))
-    record["ood_clipped"] = float(clip_accuracy(record["ood_top1"] / 100.0, ood_set["images"]))
-    about = {"anchored": anchored, "model": config.model.name,
-             "id_set": {"root": str(id_index.root), "images": len(id_rows), "classes": list(classes),
-                        "subclassed": mask is not None, "digest": set_digest(id_index, id_rows)},
-             "ood_set": ood_set, "references": checkpoint_references(state)}
+    record["id_clipped"] = float(clip_accuracy(record["id_top1"] / 100.0, len(sets.id_rows)))
+    record["ood_clipped"] = float(clip_accuracy(record["ood_top1"] / 100.0, sets.about["ood_set"]["images"]))
+    about = {"anchored": anchored, "model": config.model.name, **sets.about, "references": checkpoint_references(state)}
     return record, about, {"id": id_correct.numpy(), "ood": ood_correct.numpy()}
 
 
@@ -486,13 +522,12 @@ def robustness_over_training(run_dirs: list[Path], spec: RobustnessSpec, device:
     """Evaluate every run, take or fit the baseline, write each run's JSON and .npz and the joint chart. Under
     torchrun the processes share every set; rank 0 writes and returns (runs, chart), the others None."""
     check_spec(spec)
-    if spec.baseline == FIT_TO_RUNS and all(run_is_anchored(Path(r)) for r in run_dirs):
-        raise ConfigError(ALL_ANCHORED)  # said before every checkpoint is evaluated, not after
     chart = Path(chart) if chart else default_chart_path(run_dirs)
     output_folder(chart, "--plot", file=True)
     names = [Path(r).name for r in run_dirs]
     if len(set(names)) != len(names):
         raise ConfigError(f"runs {names}: the run directories need different names (they label the chart)")
+    check_baseline_before_evaluating(run_dirs, spec)
     processes, target = start_processes(resolve_device(device))
     try:
         fingerprints = {}  # the data folders' digests, taken once per invocation

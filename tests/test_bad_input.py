@@ -249,6 +249,9 @@ CASES = {
     "robustness: fit to anchored runs alone": Case(
         lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--baseline", "fit-to-given-runs"],
         "--baseline fit-to-given-runs fits the line to the standard runs' checkpoints, but every run given is anchored"),
+    "robustness: auto with no line for the sets": Case(
+        lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--corruption", "contrast"],
+        "no published or testbed line for ID"),
     "robustness: unknown transform": Case(lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--transform", "cubic"],
                                           "accuracy transform 'cubic': expected one of logit, probit"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
