@@ -32,8 +32,11 @@ def python_files(rev: str | None) -> dict[str, str]:
             p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
             if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
         return {path: (ROOT / path).read_text() for path in sorted(paths) if path.endswith(".py") and (ROOT / path).is_file()}
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev], check=True,
-                            capture_output=True, text=True).stdout.split()
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev], capture_output=True, text=True)
+    if listed.returncode != 0:
+        why = (listed.stderr.strip().splitlines() or ["git failed"])[0]
+        raise DataError(f"--rev {rev!r}: expected a git revision of the checkout at '{ROOT}' ({why})")
+    listed = listed.stdout.split()
     return {path: subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
                                  text=True).stdout for path in listed if path.endswith(".py")}
 

@@ -254,6 +254,10 @@ CASES = {
         "no published or testbed line for ID"),
     "robustness: unknown transform": Case(lambda w, d: ["robustness", "--run", w / "runs" / "earlier", "--transform", "cubic"],
                                           "accuracy transform 'cubic': expected one of logit, probit"),
+    "report: a file for a run": Case(lambda w, d: ["report", w / "files" / "bad.yaml"],
+                                     "run directory '{w}/files/bad.yaml' is a file: expected a run's folder"),
+    "house-stats: unknown revision": Case(lambda w, d: ["house-stats", "--rev", "no-such-revision"],
+                                          "--rev 'no-such-revision': expected a git revision of the checkout at"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
 }
 
