@@ -70,7 +70,7 @@ def run_is_anchored(run_dir: Path, files: list[dict | None]) -> bool:
     return False
 
 
-def run_folder(run_dir: str | Path) -> Path:
+def existing_run_dir(run_dir: str | Path) -> Path:
     """`run_dir` as a Path, or one line saying it is missing or a file."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -80,7 +80,7 @@ def run_folder(run_dir: str | Path) -> Path:
 
 
 def load_run(run_dir: str | Path) -> RunResults:
-    run_dir = run_folder(run_dir)
+    run_dir = existing_run_dir(run_dir)
     folder = RunFolder(run_dir)
     files = {"eval": read_result(folder.eval), "robustness": read_result(folder.robustness),
              "probe": read_result(folder.linear_probe), "sft": read_result(folder.finetune_ood / "summary.json")}
@@ -335,7 +335,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None,
     """Write report.html, report.md and figures/*.png into `out_dir`; return their paths."""
     if not run_dirs:
         raise DataError("report needs at least one run directory")
-    run_dirs = [run_folder(r) for r in run_dirs]
+    run_dirs = [existing_run_dir(r) for r in run_dirs]
     out_dir = output_folder(Path(out_dir) if out_dir else default_out_dir(run_dirs), "--out")
     runs = [load_run(r) for r in run_dirs]
     unique_names(runs)
