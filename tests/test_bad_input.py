@@ -256,6 +256,8 @@ CASES = {
                                           "accuracy transform 'cubic': expected one of logit, probit"),
     "report: a file for a run": Case(lambda w, d: ["report", w / "files" / "bad.yaml"],
                                      "run directory '{w}/files/bad.yaml' is a file: expected a run's folder"),
+    "prepare: data.root a file": Case(lambda w, d: ["prepare", "--set", f"data.root={w / 'files' / 'bad.yaml'}"],
+                                      "'{w}/files/bad.yaml' is a file: expected a directory for the dataset"),
     "house-stats: unknown revision": Case(lambda w, d: ["house-stats", "--rev", "no-such-revision"],
                                           "--rev 'no-such-revision': expected a git revision of the checkout at"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),

@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from fastanchor.errors import DataError
+
 Refusal = Callable[[dict | None], Exception]  # the error for a root holding something else, given its manifest
 
 
@@ -33,9 +35,11 @@ def manifest_matches(found: dict | None, wanted: dict) -> bool:
 
 def existing_tree(root: Path, name: str, wanted: dict, refuse: Refusal) -> dict | None:
     """The manifest of the tree already at `root` when it matches `wanted`; None when root is missing or an empty
-    folder (the place to write); else `refuse(its manifest)` is raised."""
+    folder (the place to write); a file there is refused in one line; else `refuse(its manifest)` is raised."""
     if not (root.exists() or root.is_symlink()):
         return None
+    if root.is_file():
+        raise DataError(f"'{root}' is a file: expected a directory for the dataset (or a path that does not exist yet)")
     found = read_manifest(root, name) if root.is_dir() else None
     if manifest_matches(found, wanted):
         return found
