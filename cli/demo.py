@@ -9,7 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from fastanchor.files import atomic_write_bytes, read_json
+from fastanchor.files import atomic_write_bytes, output_folder, read_json
 from fastanchor.trainer.config import Config
 from fastanchor.evaluation.evaluate import evaluate_checkpoint
 from fastanchor.evaluation.finetune_ood import finetune_ood, summary_rows
@@ -86,7 +86,7 @@ def sft_record_line(record: Path = RECORD) -> str:
 
 
 def run_demo(config: Config, out_dir: Path) -> Path:
-    demo_dir = Path(out_dir) / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    demo_dir = output_folder(Path(out_dir) / f"demo-{datetime.now():%Y%m%d-%H%M%S}", "--out-dir")  # before the first header
     results: dict[str, dict] = {}
     sft: dict[str, dict] = {}
     for kind in ("standard", "anchored"):
