@@ -1,7 +1,7 @@
 """Bad input, as a table: config values, paths, files, image contents, checkpoint files and CLI usage.
 
 Each case must stop with one line naming the problem (`fastanchor: error: ...`), exit status 2, no
-traceback, and leave every file written before it (a finished run with mid-epoch checkpoints, the
+traceback, nothing on standard output before it, and leave every file written before it (a finished run with mid-epoch checkpoints, the
 datasets, the checkpoint files the cases read) byte for byte as it was.
 """
 
@@ -276,6 +276,7 @@ def test_bad_input(name, workspace, tiny_dataset):
     }
     before = snapshot(workspace)
     result = run_in_process(*case.args(workspace, tiny_dataset))
+    assert not result.stdout.strip(), result.stdout[-500:]  # nothing printed before the one line
     assert_one_line_error(result, case.message.format(w=workspace, **damaged))
     after = snapshot(workspace)
     assert {path: after.get(path) for path in before} == before  # nothing lost or half-overwritten
