@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import subprocess
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastanchor.cli.options import HouseStatsOptions
@@ -68,8 +69,11 @@ def stats(rev: str | None) -> tuple[Counter, list[tuple[int, str]]]:
     lines = Counter()
     for path, source in files.items():
         lines[folder_of(path)] += source.count("\n")
-    longest = sorted((f for path, source in files.items() for f in functions(path, source)), reverse=True)
-    return lines, longest
+    # parsed on a fresh thread: in a process whose earlier work left the thread's recursion counters off, ast.parse
+    # on CPython 3.11.7 raises "SystemError: AST constructor recursion depth mismatch" (make test-fast's worker did)
+    with ThreadPoolExecutor(1) as pool:
+        parsed = pool.submit(lambda: [f for path, source in files.items() for f in functions(path, source)]).result()
+    return lines, sorted(parsed, reverse=True)
 
 
 def report(revs: list[str | None], top: int, named: list[str]) -> str:
