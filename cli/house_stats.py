@@ -118,6 +118,7 @@ def write_block(path: Path, text: str, args: str) -> None:
 
 
 def run_house_stats(options: HouseStatsOptions, command: str) -> int:
+    options.validate()
     text = report(options.revs or [None], options.top, options.functions)
     if not options.write:
         print(text)

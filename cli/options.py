@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastanchor.options.option import option
+from fastanchor.options.option import Checked, option
 from fastanchor.options.flags import FromCheckpoint, OnDevice
 from fastanchor.trainer.config import FINE_TUNING, FROM_CHECKPOINT, Recipe, TrainingRecipe
 from fastanchor.evaluation.specs import ProbeSpec, RobustnessSpec
@@ -86,7 +86,7 @@ and sweeps write to runs/ unless given --record)."""
 
 
 @dataclass
-class HouseStatsOptions:
+class HouseStatsOptions(Checked):
     """Standard library only; git reads the revisions. The working tree is what git tracks plus the new files it does
 not ignore; lines are physical lines of the .py files, a function's length from its `def` to its last line."""
 
@@ -95,3 +95,6 @@ not ignore; lines are physical lines of the .py files, a function's length from 
     functions: list = option([], "also the length of this function in each revision, e.g. cli/__init__.py:run "
                              "(repeatable)", flag="--function", metavar="PATH:NAME")
     write: str = option("", "write the output into the house-stats block of this Markdown file", metavar="FILE.md")
+
+    def checks(self):
+        return [("top", self.top >= 0, "0 or a positive number of functions")]

@@ -260,6 +260,8 @@ CASES = {
                                       "'{w}/files/bad.yaml' is a file: expected a directory for the dataset"),
     "house-stats: unknown revision": Case(lambda w, d: ["house-stats", "--rev", "no-such-revision"],
                                           "--rev 'no-such-revision': expected a git revision of the checkout at"),
+    "house-stats: negative --top": Case(lambda w, d: ["house-stats", "--top", "-1"],
+                                        "--top = -1: expected 0 or a positive number of functions"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
 }
 
