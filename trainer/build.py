@@ -66,7 +66,7 @@ from fastanchor.pipeline.loaders.torchvision import (
     eval_transform,
 )
 from fastanchor.trainer.checkpoint.file import load_checkpoint
-from fastanchor.trainer.config import Config, DataConfig, config_from_dict, with_overrides
+from fastanchor.trainer.config import DEVICE, Config, DataConfig, config_from_dict, with_overrides
 from fastanchor.trainer.distributed import Processes, main_first
 from fastanchor.trainer.initial_weights import freeze_backbone, load_initial_weights
 from fastanchor.trainer.loss_window import LossWindow
@@ -395,12 +395,14 @@ def ood_split_set(data: DataConfig, split: str, key: str, transform) -> EvalSet:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of a device option (train.device, or a command's --device), a bad one a ConfigError."""
+    if DEVICE.fullmatch(name) is None:
+        raise ConfigError(f"device {name!r}: expected auto, cpu, cuda or cuda:N (N a device number)")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device = {name!r}: CUDA is not available on this machine (use auto or cpu)")
-    return device
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r}: CUDA is not available on this machine (use auto or cpu)")
+    return torch.device(name)
 
 
 def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
