@@ -246,6 +246,19 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> str:
     return performance
 
 
+def result_folder(path: Path) -> Path:
+    """`path` if it holds result files (*.json, or the records under reproduce/); else a DataError, before any
+    generated block is emptied by rendering it from nothing."""
+    if path.is_file():
+        raise DataError(f"--results '{path}' is a file: expected the folder of the committed result files (results/)")
+    if not path.is_dir():
+        raise DataError(f"--results '{path}': no such folder (expected the committed result files, e.g. results/)")
+    if not any(path.glob("*.json")) and not (path / "reproduce").is_dir():
+        raise DataError(f"--results '{path}' holds no result files (*.json or reproduce/): expected the committed "
+                        f"result files, e.g. results/")
+    return path
+
+
 def run_docs(options: DocsOptions, command: str) -> None:
-    update_readme(options.readme, options.results)
+    update_readme(options.readme, result_folder(Path(options.results)))
     print(f"{options.readme} and docs/*.md: generated blocks rewritten from {options.results}")
