@@ -8,9 +8,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from fastanchor.files import atomic_write_bytes, read_json, replace_folder
+from fastanchor.files import atomic_write_bytes, replace_folder
 from fastanchor.reproduce.experiments import EXPERIMENTS
 from fastanchor.reproduce.figures import figure
+from fastanchor.reproduce.record_file import read_record
 from fastanchor.reproduce.tables import markdown
 from fastanchor.reproduce.verdicts import line, rule_text, rules, verdicts
 
@@ -80,7 +81,7 @@ def rewrite_readmes(records: Path) -> None:
 
 def regenerate(folder: Path) -> Path:
     """README.md of a committed record rewritten from its result.json."""
-    result = read_json(folder / "result.json", "record")
+    result = read_record(folder / "result.json")
     atomic_write_bytes(folder / "README.md", lambda h: h.write(readme(result).encode()))
     return folder / "README.md"
 
@@ -92,7 +93,7 @@ def index(root: Path) -> str:
              "how ours compares, is in docs/reproduce.md.", "",
              "| experiment | paper | scale | runs | command |", "| --- | --- | --- | ---: | --- |"]
     for path in sorted(root.glob("*/result.json")):
-        result = read_json(path, "record")
+        result = read_record(path)
         runs = f"{result.get('finished', len(result['runs']))}" + (f" ({len(result['missing'])} missing)" if result["missing"] else "")
         lines.append(f"| [{result['experiment']}]({path.parent.name}/README.md): {result['title']} | "
                      f"{result['source']} | {result['scale']} | {runs} | "

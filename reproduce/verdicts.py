@@ -28,7 +28,6 @@ was read as a gain.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import numpy as np
 import yaml
 
 from fastanchor.reproduce.convergence import PLATEAU
+from fastanchor.reproduce.record_file import read_record
 
 PAPER_NUMBERS = Path(__file__).resolve().parent / "paper_numbers"
 FIRST_RULE = {"confidence": 0.95, "fraction": 0.5, "min_pairs": 3}  # version 1: records that kept no rule of their own
@@ -240,7 +240,7 @@ def block(results_dir: Path, link=lambda path: path.as_posix()) -> str:
     current = rules("")[0].get("version", 1)
     lines = [rule_text(), ""]
     for path in sorted(Path(results_dir).glob("reproduce/*/result.json")):
-        result = json.loads(path.read_text())
+        result = read_record(path)
         if result.get("paper_file", "000.yaml") != "000.yaml" or not (result.get("claims") or rules(result["experiment"])[1]):
             continue
         kept = (result.get("verdict_rule") or {}).get("version", 1) if result.get("verdict_rule") else current

@@ -18,7 +18,7 @@ import torch
 
 from conftest import run_main, tiny_overrides
 from fastanchor.trainer.checkpoint.file import checkpoint_name, load_checkpoint, save_checkpoint
-from fastanchor.cli import main
+from fastanchor.cli import docs, main
 from fastanchor.trainer.distributed import group_store_prefix
 
 # The earlier run every case must leave intact: 3 steps, a checkpoint after each (small model).
@@ -102,6 +102,10 @@ def workspace(tiny_dataset, tmp_path_factory):
     (scored / "eval.json").write_text('{"anchored": false, "id": {"top1": 50.0}}')
     (scored / "ood_scores.npz").write_bytes(b"PK\x03\x04" + b"\x00" * 40)
     (files / "garbage.pt").write_bytes(b"\x00" * 100)
+    damaged = w / "damaged" / "results" / "reproduce" / "fig1"  # a record cut down by hand, under a README to rewrite
+    damaged.mkdir(parents=True)
+    (damaged / "result.json").write_text('{"experiment": "fig1", "runs": []}')
+    (w / "damaged" / "README.md").write_text(f"{docs.BEGIN}\n{docs.END}\n{docs.VERDICTS_BEGIN}\n{docs.VERDICTS_END}\n")
     torch.save({"format": "fastanchor-checkpoint-v1", "model": RunsCode(w / "marker")}, files / "crafted.pt")
     shutil.copy(checkpoints / checkpoint_name(1, 3, True), files / "loose.pt")
     torn = w / "torn" / "checkpoints" / "epoch_001.pt"
@@ -268,6 +272,8 @@ CASES = {
                                     "--results '{w}/no-results': no such folder (expected the committed result files"),
     "docs: --results without result files": Case(lambda w, d: ["docs", "--results", w / "files"],
                                                  "--results '{w}/files' holds no result files (*.json or reproduce/)"),
+    "docs: a damaged record": Case(lambda w, d: ["docs", "--results", w / "damaged" / "results", "--readme", w / "damaged" / "README.md"],
+                                   "record '{w}/damaged/results/reproduce/fig1/result.json' has no title, source, scale, missing"),
     "house-stats: negative --top": Case(lambda w, d: ["house-stats", "--top", "-1"],
                                         "--top = -1: expected 0 or a positive number of functions"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),
