@@ -101,6 +101,8 @@ def workspace(tiny_dataset, tmp_path_factory):
     shutil.copytree(w / "runs" / "earlier", scored)
     (scored / "eval.json").write_text('{"anchored": false, "id": {"top1": 50.0}}')
     (scored / "ood_scores.npz").write_bytes(b"PK\x03\x04" + b"\x00" * 40)
+    (w / "misshapen").mkdir()  # a run whose eval.json was edited by hand: a section that is not an object
+    (w / "misshapen" / "eval.json").write_text('{"anchored": false, "id": {"top1": 50.0}, "shifts": {"fog@3": 61.0}}')
     (files / "garbage.pt").write_bytes(b"\x00" * 100)
     damaged = w / "damaged" / "results" / "reproduce" / "fig1"  # a record cut down by hand, under a README to rewrite
     damaged.mkdir(parents=True)
@@ -274,6 +276,8 @@ CASES = {
                                                  "--results '{w}/files' holds no result files (*.json or reproduce/)"),
     "docs: a damaged record": Case(lambda w, d: ["docs", "--results", w / "damaged" / "results", "--readme", w / "damaged" / "README.md"],
                                    "record '{w}/damaged/results/reproduce/fig1/result.json' has no title, source, scale, missing"),
+    "report: a misshapen eval.json": Case(lambda w, d: ["report", w / "misshapen", "--out", w / "misshapen-report"],
+                                         "result file '{w}/misshapen/eval.json': 'shifts' is not shaped as fastanchor evaluate"),
     "house-stats: negative --top": Case(lambda w, d: ["house-stats", "--top", "-1"],
                                         "--top = -1: expected 0 or a positive number of functions"),
     "override without =": Case(lambda w, d: ["train", "--set", "train.epochs"], "override 'train.epochs' is not of the form section.key=value"),

@@ -60,6 +60,22 @@ def read_result(path: Path) -> dict | None:
     return value
 
 
+EVAL_SECTIONS = ("id", "ood", "shifts", "corruptions", "severity_mean_top1", "calibration", "ms_per_1000", "by_protocol")
+NESTED_SECTIONS = ("shifts", "severity_mean_top1", "by_protocol")  # each entry itself an object
+
+
+def checked_eval(path: Path, value: dict | None) -> dict | None:
+    """eval.json with the sections the report reads shaped as `fastanchor evaluate` writes them, or one line naming
+    the first that is not (a hand-edited or foreign file), before any table is drawn from it."""
+    for key in EVAL_SECTIONS if value else ():
+        section = value.get(key)
+        entries = section.values() if isinstance(section, dict) and key in NESTED_SECTIONS else ()
+        if section is not None and not isinstance(section, dict) or any(not isinstance(e, dict) for e in entries):
+            raise DataError(f"result file '{path}': '{key}' is not shaped as fastanchor evaluate writes it (expected an "
+                            f"object{' of objects' if key in NESTED_SECTIONS else ''})")
+    return value
+
+
 def run_is_anchored(run_dir: Path, files: list[dict | None]) -> bool:
     for data in files:
         if isinstance(data, dict) and isinstance(data.get("anchored"), bool):
@@ -82,7 +98,7 @@ def existing_run_dir(run_dir: str | Path) -> Path:
 def load_run(run_dir: str | Path) -> RunResults:
     run_dir = existing_run_dir(run_dir)
     folder = RunFolder(run_dir)
-    files = {"eval": read_result(folder.eval), "robustness": read_result(folder.robustness),
+    files = {"eval": checked_eval(folder.eval, read_result(folder.eval)), "robustness": read_result(folder.robustness),
              "probe": read_result(folder.linear_probe), "sft": read_result(folder.finetune_ood / "summary.json")}
     if all(v is None for v in files.values()):
         raise DataError(f"run directory '{run_dir}' has no result files: expected eval.json (fastanchor evaluate), "
