@@ -8,7 +8,7 @@ from pathlib import Path
 from fastanchor.errors import DataError
 from fastanchor.files import read_json
 
-FIELDS = ("experiment", "title", "source", "scale", "runs", "missing")  # what the record's README and index read
+FIELDS = ("experiment", "title", "source", "scale", "runs", "missing", "summary")  # what its README and the index read
 
 
 def read_record(path: Path) -> dict:
