@@ -108,8 +108,8 @@ def read_json(path: Path, what: str, error: type[Exception] = DataError):
     try:
         return json.loads(text)
     except json.JSONDecodeError as problem:
-        raise error(f"{what} '{path}' is not complete JSON ({problem.msg}: line {problem.lineno} column {problem.colno}): "
-                    f"truncated or not a fastanchor file") from None
+        raise error(f"{what} '{path}' is not complete JSON ({problem.msg}: line {problem.lineno} column "
+                    f"{problem.colno}): truncated or not a fastanchor file") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -60,7 +60,8 @@ def read_result(path: Path) -> dict | None:
     return value
 
 
-EVAL_SECTIONS = ("id", "ood", "shifts", "corruptions", "severity_mean_top1", "calibration", "ms_per_1000", "by_protocol")
+EVAL_SECTIONS = ("id", "ood", "shifts", "corruptions", "severity_mean_top1", "calibration", "ms_per_1000",
+                 "by_protocol")  # those the report's tables read
 NESTED_SECTIONS = ("shifts", "severity_mean_top1", "by_protocol")  # each entry itself an object
 
 
