@@ -13,9 +13,10 @@ from its `def` (decorators left out) to its last line, as `ast` reads it. No tor
 from __future__ import annotations
 
 import ast
+import multiprocessing
 import subprocess
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from fastanchor.cli.options import HouseStatsOptions
@@ -69,11 +70,16 @@ def stats(rev: str | None) -> tuple[Counter, list[tuple[int, str]]]:
     lines = Counter()
     for path, source in files.items():
         lines[folder_of(path)] += source.count("\n")
-    # parsed on a fresh thread: in a process whose earlier work left the thread's recursion counters off, ast.parse
-    # on CPython 3.11.7 raises "SystemError: AST constructor recursion depth mismatch" (make test-fast's worker did)
-    with ThreadPoolExecutor(1) as pool:
-        parsed = pool.submit(lambda: [f for path, source in files.items() for f in functions(path, source)]).result()
+    # parsed in a child process: CPython 3.11.7's ast.parse keeps its recursion depth in one counter that every thread
+    # shares, and raised "SystemError: AST constructor recursion depth mismatch" in make test-fast's worker, where
+    # other threads were at work (on a fresh thread of it too); a spawned child runs nothing else
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parsed = pool.submit(every_function, files).result()
     return lines, sorted(parsed, reverse=True)
+
+
+def every_function(files: dict[str, str]) -> list[tuple[int, str]]:
+    return [f for path, source in files.items() for f in functions(path, source)]
 
 
 def report(revs: list[str | None], top: int, named: list[str]) -> str:
